@@ -1,0 +1,351 @@
+"""Gateway configuration: the TOML file of DESIGN section 3, parsed once into frozen dataclasses.
+
+Every key has a default and a missing file means all defaults. Unknown keys and values of the
+wrong type or range fail at load with a `ConfigError` naming the key and the value, so a bad file
+never half-applies. Per-request code only reads the resulting objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = "/etc/qwen38/gateway.toml"
+CONFIG_ENV = "QWEN38_GATEWAY_CONFIG"
+TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DEFAULT_TENANT = "default"
+UNKNOWN_TENANT = "unknown"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file, key and offending value."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """``[server]``: the public listener.
+
+    ``max_body_bytes`` defaults to 32 MiB: a 254,976-token prompt is about 1 MB of text, so this
+    leaves room for JSON escaping (CJK as ``\\uXXXX`` is 6 bytes a character) and tool schemas.
+    """
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_body_bytes: int = 33_554_432
+    shutdown_grace_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """``[metrics]``: the Prometheus listener, separate from the public port (DESIGN section 7).
+
+    A scrape bearer token, when wanted, lives in the keys file (``QWEN38_METRICS_TOKEN``), never here.
+    """
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 9400
+    engine_scrape_timeout_s: float = 2.0
+    engine_scrape_cache_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """``[engine]``: how to reach the engine and how much of it to use.
+
+    Timeouts in seconds. ``pool_idle_s`` must stay below the engine's 5 s uvicorn keep-alive
+    (vllm-protocol.md section 1.4, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) so the gateway never reuses a
+    connection the engine is closing. ``read_timeout_s`` is the longest silence tolerated between
+    two reads of one response: long prompts take minutes of prefill before the first byte on a
+    V100 (vllm-protocol.md section 2), so it defaults to 15 minutes; there is no total timeout.
+    """
+
+    socket: str = "/run/qwen38/engine.sock"
+    model: str = "qwen3.8-27b"
+    max_model_len: int = 254_976
+    max_concurrency: int = 1
+    queue_size: int = 64
+    queue_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 900.0
+    pool_idle_s: float = 4.0
+    health_interval_s: float = 2.0
+    queued_comment_after_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """``[model]``: the public model id clients send and see."""
+
+    alias: str = "qwen3.8-27b"
+
+
+@dataclass(frozen=True)
+class ThinkingSettings:
+    """``[thinking]``: the mode used when neither the request nor the tenant decides."""
+
+    default: bool = True
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    """``[auth]``: where credentials live and how JWTs are checked.
+
+    ``jwt_leeway_s`` is the clock-skew allowance for ``exp``/``nbf``/``iat``;
+    ``reload_poll_s`` how often the keys file is checked for changes (DESIGN section 4 asks for
+    changes to apply within 2 s).
+    """
+
+    keys_file: str = "/etc/qwen38/api-keys.env"
+    jwt_leeway_s: float = 30.0
+    jwt_max_ttl_s: float = 86_400.0
+    reload_poll_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class RatelimitSettings:
+    """``[ratelimit]``: where limit counters live (``memory`` for one process, ``redis`` to share)."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "qwen38"
+    redis_timeout_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    """``[logging]``: level of the JSON log on stdout."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass(frozen=True)
+class TenantSettings:
+    """One ``[tenants.NAME]`` table; unset keys inherit from ``[tenants.default]``.
+
+    Attributes:
+        name: tenant name (from the table header).
+        rpm: requests per minute.
+        tpm: tokens per minute, prompt plus completion.
+        concurrency: requests in flight for this tenant.
+        weight: share of the engine under contention (relative to other tenants' weights).
+        max_tokens: output budget sent upstream and reserved when the client sets none; 32,768 is
+            the Qwen3.8-27B card's recommended output length for most queries.
+        thinking_default: this tenant's default thinking mode, or None for ``[thinking] default``.
+        thinking_allowed: False forces thinking off; an explicit request for it gets 403.
+    """
+
+    name: str = DEFAULT_TENANT
+    rpm: int = 60
+    tpm: int = 200_000
+    concurrency: int = 2
+    weight: float = 1.0
+    max_tokens: int = 32_768
+    thinking_default: bool | None = None
+    thinking_allowed: bool = True
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole gateway configuration. Build with `load_settings` or `parse_settings`."""
+
+    server: ServerSettings = field(default_factory=ServerSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    thinking: ThinkingSettings = field(default_factory=ThinkingSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    ratelimit: RatelimitSettings = field(default_factory=RatelimitSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    tenants: Mapping[str, TenantSettings] = field(
+        default_factory=lambda: MappingProxyType({DEFAULT_TENANT: TenantSettings()})
+    )
+    source: str | None = None
+
+    def tenant(self, name: str) -> TenantSettings:
+        """The settings for tenant ``name``: its own table, else ``default``'s under its own name."""
+        found = self.tenants.get(name)
+        if found is not None:
+            return found
+        return dataclasses.replace(self.tenants[DEFAULT_TENANT], name=name)
+
+    def tenant_label(self, name: str | None) -> str:
+        """Metrics label for a tenant: configured names as is, others ``default``, none ``unknown``.
+
+        Keeps label cardinality bounded by the config file (DESIGN section 7).
+        """
+        if name is None:
+            return UNKNOWN_TENANT
+        return name if name in self.tenants else DEFAULT_TENANT
+
+    def tenant_labels(self) -> tuple[str, ...]:
+        """Every tenant label value that can appear in metrics."""
+        return (*self.tenants.keys(), UNKNOWN_TENANT)
+
+
+_SECTIONS: dict[str, type] = {
+    "server": ServerSettings,
+    "metrics": MetricsSettings,
+    "engine": EngineSettings,
+    "model": ModelSettings,
+    "thinking": ThinkingSettings,
+    "auth": AuthSettings,
+    "ratelimit": RatelimitSettings,
+    "logging": LoggingSettings,
+}
+
+# key -> (minimum, maximum) inclusive; checked after types.
+_RANGES: dict[str, tuple[float, float]] = {
+    "server.port": (1, 65535),
+    "server.max_body_bytes": (1024, 1 << 31),
+    "server.shutdown_grace_s": (0, 3600),
+    "metrics.port": (1, 65535),
+    "metrics.engine_scrape_timeout_s": (0.05, 60),
+    "metrics.engine_scrape_cache_s": (0, 60),
+    "engine.max_model_len": (1, 1 << 24),
+    "engine.max_concurrency": (1, 4096),
+    "engine.queue_size": (0, 1_000_000),
+    "engine.queue_timeout_s": (0, 86_400),
+    "engine.connect_timeout_s": (0.01, 600),
+    "engine.read_timeout_s": (0.01, 86_400),
+    "engine.pool_idle_s": (0.1, 4.9),
+    "engine.health_interval_s": (0.05, 600),
+    "engine.queued_comment_after_s": (0, 3600),
+    "auth.jwt_leeway_s": (0, 3600),
+    "auth.jwt_max_ttl_s": (1, 31_536_000),
+    "auth.reload_poll_s": (0.05, 60),
+    "ratelimit.redis_timeout_s": (0.01, 60),
+    "tenant.rpm": (0, 10**9),
+    "tenant.tpm": (0, 10**12),
+    "tenant.concurrency": (0, 100_000),
+    "tenant.weight": (0.001, 1_000_000),
+    "tenant.max_tokens": (1, 1 << 24),
+}
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "ratelimit.backend": ("memory", "redis"),
+    "logging.level": ("debug", "info", "warning", "error"),
+}
+
+
+def _expected(tp: Any) -> tuple[type, ...]:
+    """Python types a TOML value may have for a dataclass field annotation (a string here)."""
+    text = str(tp)
+    if text.startswith("bool"):
+        return (bool, type(None)) if "None" in text else (bool,)
+    if text.startswith("int"):
+        return (int,)
+    if text.startswith("float"):
+        return (int, float)
+    return (str,)
+
+
+def _build(cls: type, table: Any, where: str, base: Any = None) -> Any:
+    """Instantiate dataclass ``cls`` from TOML ``table``, checking keys, types, ranges and choices."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: expected a table, got {table!r}")
+    known = {f.name: f for f in dataclasses.fields(cls) if f.name != "name"}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        dotted = f"{where}.{key}"
+        f = known.get(key)
+        if f is None:
+            raise ConfigError(f"unknown key {dotted} (known: {', '.join(sorted(known))})")
+        kinds = _expected(f.type)
+        if isinstance(value, bool) and bool not in kinds:
+            raise ConfigError(f"{dotted} = {value!r}: expected {kinds[0].__name__}")
+        if not isinstance(value, kinds):
+            raise ConfigError(f"{dotted} = {value!r}: expected {kinds[0].__name__}")
+        if float in kinds:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(f"{dotted} = {value!r}: must be finite")
+        range_key = f"tenant.{key}" if where.startswith("tenants.") else dotted
+        bounds = _RANGES.get(range_key)
+        if bounds is not None and not bounds[0] <= value <= bounds[1]:
+            raise ConfigError(f"{dotted} = {value!r}: must be between {bounds[0]} and {bounds[1]}")
+        choices = _CHOICES.get(dotted)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{dotted} = {value!r}: must be one of {', '.join(choices)}")
+        values[key] = value
+    if base is not None:
+        return dataclasses.replace(base, **values)
+    return cls(**values)
+
+
+def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settings:
+    """Build `Settings` from a parsed TOML document.
+
+    Raises:
+        ConfigError: unknown section or key, wrong type, out-of-range value, bad tenant name.
+    """
+    sections: dict[str, Any] = {}
+    for name, table in data.items():
+        if name == "tenants":
+            continue
+        cls = _SECTIONS.get(name)
+        if cls is None:
+            known = ", ".join([*sorted(_SECTIONS), "tenants"])
+            raise ConfigError(f"unknown section [{name}] (known: {known})")
+        sections[name] = _build(cls, table, name)
+
+    raw_tenants = data.get("tenants", {})
+    if not isinstance(raw_tenants, dict):
+        raise ConfigError(f"tenants: expected tables [tenants.NAME], got {raw_tenants!r}")
+    default = _build(TenantSettings, raw_tenants.get(DEFAULT_TENANT, {}), "tenants.default")
+    tenants: dict[str, TenantSettings] = {DEFAULT_TENANT: default}
+    for tname, table in raw_tenants.items():
+        if not TENANT_NAME_RE.match(tname) or tname == UNKNOWN_TENANT:
+            raise ConfigError(
+                f"tenants.{tname}: invalid tenant name (letters, digits, '_', '.', '-'; "
+                f"at most 64; not {UNKNOWN_TENANT!r})"
+            )
+        if tname == DEFAULT_TENANT:
+            continue
+        base = dataclasses.replace(default, name=tname)
+        tenants[tname] = _build(TenantSettings, table, f"tenants.{tname}", base=base)
+
+    settings = Settings(**sections, tenants=MappingProxyType(tenants), source=source)
+    if settings.engine.model == "" or settings.model.alias == "":
+        raise ConfigError("engine.model and model.alias must not be empty")
+    return settings
+
+
+def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
+    """Read and validate the TOML config.
+
+    Args:
+        path: file to read; None means ``$QWEN38_GATEWAY_CONFIG`` or ``/etc/qwen38/gateway.toml``.
+            A file that does not exist means all defaults (DESIGN section 3).
+
+    Raises:
+        ConfigError: the file is not valid TOML or fails `parse_settings`.
+    """
+    chosen = Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+    try:
+        raw = chosen.read_bytes()
+    except FileNotFoundError:
+        return Settings(source=None)
+    except OSError as exc:
+        raise ConfigError(f"{chosen}: cannot read ({exc.strerror})") from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{chosen}: not valid TOML: {exc}") from exc
+    try:
+        return parse_settings(data, source=str(chosen))
+    except ConfigError as exc:
+        raise ConfigError(f"{chosen}: {exc}") from exc

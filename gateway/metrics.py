@@ -1,0 +1,174 @@
+"""Prometheus families of DESIGN section 7, on an injected `CollectorRegistry`.
+
+Label values come only from bounded sets: configured tenants plus ``default`` and ``unknown``
+(`Settings.tenant_label`), route templates plus ``other``, status codes, and the fixed reason and
+kind vocabularies below. Never a key, key hash, IP, user agent or any client-chosen string.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Time to first token on a V100 at ~30 tok/s: tens of ms for a cached short prompt, minutes of
+# prefill for a 254,976-token prompt (vllm-protocol.md section 2); 50 ms .. 10 min.
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+# Whole requests: a thinking answer of 32k tokens at 30 tok/s is ~18 min; up to 30 min.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800)
+# Time spent waiting for the engine in the admission queue (bounded by engine.queue_timeout_s).
+QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/models/{id}",
+    "/health",
+    "/ready",
+    "other",
+)
+AUTH_FAILURE_REASONS = (
+    "missing",
+    "malformed",
+    "unknown",
+    "expired",
+    "revoked",
+    "bad_signature",
+    "bad_claims",
+    "unknown_kid",
+    "bad_algorithm",
+)
+UPSTREAM_ERROR_KINDS = (
+    "connect",
+    "timeout",
+    "disconnect",
+    "stream_error",
+    "bad_response",
+    "status_5xx",
+)
+RATE_LIMITS = ("requests", "tokens", "concurrency", "queue")
+TOKEN_TYPES = ("prompt", "completion")
+
+
+class Metrics:
+    """All gateway metric families, registered on one registry.
+
+    Args:
+        registry: where to register; tests pass a fresh one, the server its own (never the
+            process-global default, so two apps in one process do not collide).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "gateway_requests",
+            "Requests answered, by tenant, route template and HTTP status code.",
+            ("tenant", "route", "code"),
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Time from request received to last byte sent.",
+            ("tenant", "route"),
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "Time from request received to the first generated token reaching the client.",
+            ("tenant",),
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "gateway_tokens",
+            "Tokens as reported by the engine's usage, by tenant and type (prompt|completion).",
+            ("tenant", "type"),
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "gateway_requests_in_flight",
+            "Model requests admitted and not finished, by tenant.",
+            ("tenant",),
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "gateway_queue_depth",
+            "Requests waiting in the admission queue for an engine slot.",
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds",
+            "Time a request waited in the admission queue.",
+            ("tenant",),
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.rate_limited = Counter(
+            "gateway_rate_limited",
+            "Requests refused with 429, by tenant and limit (requests|tokens|concurrency|queue).",
+            ("tenant", "limit"),
+            registry=registry,
+        )
+        self.auth_failures = Counter(
+            "gateway_auth_failures",
+            "Requests refused with 401, by reason.",
+            ("reason",),
+            registry=registry,
+        )
+        self.client_disconnects = Counter(
+            "gateway_client_disconnects",
+            "Clients that went away before their answer was complete.",
+            ("tenant",),
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "gateway_upstream_errors",
+            "Failures talking to the engine, by kind.",
+            ("kind",),
+            registry=registry,
+        )
+        self.engine_up = Gauge(
+            "gateway_engine_up",
+            "1 when the engine answers /health with 200, else 0.",
+            registry=registry,
+        )
+        self.engine_ready = Gauge(
+            "gateway_engine_ready",
+            "1 when the engine is healthy and warm (model routes are served), else 0.",
+            registry=registry,
+        )
+        self.keys_loaded = Gauge(
+            "gateway_keys_loaded",
+            "API keys currently loaded from the keys file.",
+            registry=registry,
+        )
+        self.config_reloads = Counter(
+            "gateway_config_reloads",
+            "Reloads of the config and keys files, by result (ok|error).",
+            ("result",),
+            registry=registry,
+        )
+        self.engine_scrape_ok = Gauge(
+            "gateway_engine_scrape_ok",
+            "1 when the last fetch of the engine's /metrics succeeded, else 0.",
+            registry=registry,
+        )
+        self.ratelimit_backend_up = Gauge(
+            "gateway_ratelimit_backend_up",
+            "1 when the rate-limit backend answers (0: Redis unreachable, local limits in force).",
+            ("backend",),
+            registry=registry,
+        )
+
+    def prime(self, tenant_labels: tuple[str, ...]) -> None:
+        """Create the zero-valued children Prometheus alerts and dashboards expect to exist."""
+        for tenant in tenant_labels:
+            self.in_flight.labels(tenant)
+            for limit in RATE_LIMITS:
+                self.rate_limited.labels(tenant, limit)
+            for kind in TOKEN_TYPES:
+                self.tokens.labels(tenant, kind)
+        for result in ("ok", "error"):
+            self.config_reloads.labels(result)
+        for kind in UPSTREAM_ERROR_KINDS:
+            self.upstream_errors.labels(kind)
