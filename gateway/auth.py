@@ -1,0 +1,187 @@
+"""Credential check: a Bearer API key or JWT in, a `Principal` (tenant, key id) or `InvalidApiKey` out."""
+
+from __future__ import annotations
+
+import binascii
+import hmac
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jwt
+
+from gateway.config import TENANT_NAME_RE
+from gateway.errors import InvalidApiKey
+from gateway.keys import SECRET_RE, ApiKey, KeySet, SigningKey, b64url_decode, secret_digest
+
+# Longer credentials are refused before hashing or base64-decoding anything: a generated key is
+# 39 characters and a gateway JWT a few hundred.
+MAX_CREDENTIAL_CHARS = 8192
+_BEARER = "bearer"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who made a request.
+
+    Attributes:
+        tenant: the tenant named by the key line or the JWT ``sub``.
+        key_id: the key id, or ``jwt:<kid>``; safe to log (never a secret).
+        method: ``key`` or ``jwt``.
+    """
+
+    tenant: str
+    key_id: str
+    method: Literal["key", "jwt"]
+
+
+class Authenticator:
+    """Checks ``Authorization`` headers against one `KeySet`; build one per loaded set.
+
+    Lookup tables are built here, so `authenticate` does one dict lookup by SHA-256 and one
+    constant-time compare for an API key, or one signature check for a JWT, and no I/O.
+
+    Args:
+        keys: the loaded keys file.
+        leeway_s: clock skew allowed on ``exp``, ``nbf`` and ``iat`` (``auth.jwt_leeway_s``).
+        max_ttl_s: longest accepted ``exp - iat`` (``auth.jwt_max_ttl_s``).
+        clock: seconds since the epoch; injected by tests.
+    """
+
+    def __init__(
+        self,
+        keys: KeySet,
+        *,
+        leeway_s: float = 30.0,
+        max_ttl_s: float = 86_400.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.keys = keys
+        self._by_digest: dict[bytes, ApiKey] = {key.digest: key for key in keys.api_keys}
+        self._by_kid: dict[str, SigningKey] = {key.kid: key for key in keys.signing_keys}
+        self._expiry: dict[bytes, float] = {
+            key.digest: key.expires.timestamp() for key in keys.api_keys if key.expires
+        }
+        self._leeway_s = leeway_s
+        self._max_ttl_s = max_ttl_s
+        self._clock = clock
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """Check one ``Authorization`` header value (``Bearer <key or JWT>``, scheme any case).
+
+        A credential with two dots whose first segment decodes as a JSON object with ``alg`` is
+        a JWT; anything else is an API key.
+
+        Raises:
+            InvalidApiKey: with ``reason`` one of ``missing``, ``malformed``, ``unknown``,
+                ``expired``, ``bad_signature``, ``bad_claims``, ``unknown_kid``, ``bad_algorithm``
+                (`gateway.metrics.AUTH_FAILURE_REASONS`).
+        """
+        if authorization is None or not authorization.strip():
+            raise InvalidApiKey("missing")
+        scheme, _, credential = authorization.strip().partition(" ")
+        credential = credential.strip()
+        if scheme.lower() != _BEARER or not credential:
+            raise InvalidApiKey("malformed")
+        if len(credential) > MAX_CREDENTIAL_CHARS or not SECRET_RE.fullmatch(credential):
+            raise InvalidApiKey("malformed")
+        if credential.count(".") == 2:
+            header = _jwt_header(credential)
+            if header is not None:
+                return self._check_jwt(credential, header)
+        return self._check_key(credential)
+
+    def _check_key(self, secret: str) -> Principal:
+        digest = secret_digest(secret)
+        found = self._by_digest.get(digest)
+        if found is None or not hmac.compare_digest(found.digest, digest):
+            raise InvalidApiKey("unknown")
+        expires = self._expiry.get(digest)
+        if expires is not None and self._clock() >= expires:
+            raise InvalidApiKey("expired")
+        return Principal(found.tenant, found.key_id, "key")
+
+    def _check_jwt(self, token: str, header: dict[str, Any]) -> Principal:
+        kid = header.get("kid")
+        key = self._by_kid.get(kid) if isinstance(kid, str) else None
+        if key is None:
+            raise InvalidApiKey("unknown_kid")
+        # The key decides the algorithm, never the token: this is what rules out "none" and
+        # HS256-signed-with-a-public-key confusion.
+        if header.get("alg") != key.algorithm:
+            raise InvalidApiKey("bad_algorithm")
+        try:
+            claims = jwt.decode(
+                token,
+                key.verification_key,  # type: ignore[arg-type]
+                algorithms=[key.algorithm],
+                options={
+                    "require": ["exp", "iat", "sub"],
+                    "verify_exp": False,
+                    "verify_nbf": False,
+                    "verify_iat": False,
+                },
+            )
+        except jwt.InvalidSignatureError:
+            raise InvalidApiKey("bad_signature") from None
+        except jwt.InvalidAlgorithmError:
+            raise InvalidApiKey("bad_algorithm") from None
+        except jwt.DecodeError:
+            raise InvalidApiKey("malformed") from None
+        except jwt.InvalidTokenError:
+            raise InvalidApiKey("bad_claims") from None
+        return Principal(self._check_claims(claims), f"jwt:{key.kid}", "jwt")
+
+    def _check_claims(self, claims: dict[str, Any]) -> str:
+        """Time claims against the injected clock (pyjwt's own clock is not injectable); the tenant."""
+        exp, iat, nbf = claims.get("exp"), claims.get("iat"), claims.get("nbf", 0)
+        if not all(_is_number(value) for value in (exp, iat, nbf)):
+            raise InvalidApiKey("bad_claims")
+        now = self._clock()
+        if exp <= now - self._leeway_s:
+            raise InvalidApiKey("expired")
+        if iat > now + self._leeway_s or nbf > now + self._leeway_s:
+            raise InvalidApiKey("bad_claims")
+        if exp - iat > self._max_ttl_s or exp <= iat:
+            raise InvalidApiKey("bad_claims")
+        tenant = claims.get("sub")
+        if not isinstance(tenant, str) or not TENANT_NAME_RE.match(tenant):
+            raise InvalidApiKey("bad_claims")
+        return tenant
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _jwt_header(token: str) -> dict[str, Any] | None:
+    """The decoded JOSE header of a compact JWS, or None when it does not look like one."""
+    try:
+        header = json.loads(b64url_decode(token.partition(".")[0]))
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        return None
+    if not isinstance(header, dict) or not isinstance(header.get("alg"), str):
+        return None
+    return header
+
+
+def issue_token(key: SigningKey, tenant: str, ttl_s: int, *, now: float | None = None) -> str:
+    """A JWT for ``tenant``: claims ``sub``, ``iat``, ``exp`` (whole seconds), header ``kid``.
+
+    Raises:
+        ValueError: ``key`` has no private part, or ``tenant`` breaks the tenant name rule.
+    """
+    if key.signing_key is None:
+        raise ValueError(f"signing key {key.kid} is verify-only (ed25519-pub)")
+    if not TENANT_NAME_RE.match(tenant):
+        raise ValueError("invalid tenant name")
+    issued = int(time.time() if now is None else now)
+    claims = {"sub": tenant, "iat": issued, "exp": issued + int(ttl_s)}
+    return jwt.encode(
+        claims,
+        key.signing_key,  # type: ignore[arg-type]
+        algorithm=key.algorithm,
+        headers={"kid": key.kid},
+    )
