@@ -1,4 +1,4 @@
-"""Credential check: a Bearer API key or JWT in, a `Principal` (tenant, key id) or `InvalidApiKey` out."""
+"""Credential check: a Bearer API key or JWT in, a `Principal` or `InvalidApiKey` out."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class Authenticator:
         try:
             claims = jwt.decode(
                 token,
-                key.verification_key,  # type: ignore[arg-type]
+                key.verification_key,
                 algorithms=[key.algorithm],
                 options={
                     "require": ["exp", "iat", "sub"],
@@ -135,10 +135,8 @@ class Authenticator:
         return Principal(self._check_claims(claims), f"jwt:{key.kid}", "jwt")
 
     def _check_claims(self, claims: dict[str, Any]) -> str:
-        """Time claims against the injected clock (pyjwt's own clock is not injectable); the tenant."""
-        exp, iat, nbf = claims.get("exp"), claims.get("iat"), claims.get("nbf", 0)
-        if not all(_is_number(value) for value in (exp, iat, nbf)):
-            raise InvalidApiKey("bad_claims")
+        """Check time claims on the injected clock (pyjwt's is not injectable); return ``sub``."""
+        exp, iat, nbf = _number(claims, "exp"), _number(claims, "iat"), _number(claims, "nbf", 0)
         now = self._clock()
         if exp <= now - self._leeway_s:
             raise InvalidApiKey("expired")
@@ -152,8 +150,12 @@ class Authenticator:
         return tenant
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _number(claims: dict[str, Any], name: str, default: float | None = None) -> float:
+    """A NumericDate claim (RFC 7519 section 2); ``bad_claims`` when absent or not a number."""
+    value = claims.get(name, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise InvalidApiKey("bad_claims")
+    return value
 
 
 def _jwt_header(token: str) -> dict[str, Any] | None:
@@ -181,7 +183,7 @@ def issue_token(key: SigningKey, tenant: str, ttl_s: int, *, now: float | None =
     claims = {"sub": tenant, "iat": issued, "exp": issued + int(ttl_s)}
     return jwt.encode(
         claims,
-        key.signing_key,  # type: ignore[arg-type]
+        key.signing_key,
         algorithm=key.algorithm,
         headers={"kid": key.kid},
     )

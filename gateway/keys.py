@@ -1,4 +1,4 @@
-"""The keys file of DESIGN section 4: API keys, JWT signing keys and reserved settings, strictly parsed.
+"""The keys file (DESIGN section 4): API keys, JWT signing keys, reserved settings; strict parser.
 
 The file is dotenv-shaped: ``NAME=VALUE`` lines, ``#`` comments, blank lines. Four kinds of line:
 
@@ -153,7 +153,7 @@ class KeySet:
         return self.settings.get(name)
 
     def newest_signing_key(self) -> SigningKey | None:
-        """The key ``token issue`` signs with: latest ``created``, later line on ties; private only."""
+        """The key ``token issue`` signs with: private, latest ``created``, later line on ties."""
         usable = [k for k in self.signing_keys if k.signing_key is not None]
         if not usable:
             return None
@@ -490,10 +490,8 @@ def _locked(path: str, create: bool) -> Iterator[None]:
         except FileNotFoundError:
             if not create:
                 raise KeysFileError([f"{path}: no such file"]) from None
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
-            except FileExistsError:
-                pass
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
