@@ -71,6 +71,10 @@ class EngineSettings:
     connection the engine is closing. ``read_timeout_s`` is the longest silence tolerated between
     two reads of one response: long prompts take minutes of prefill before the first byte on a
     V100 (vllm-protocol.md section 2), so it defaults to 15 minutes; there is no total timeout.
+    ``ready_file``, when set, is the file the launcher (``qwen38-engine serve``) creates once its
+    warm-up request succeeded: until it exists a healthy engine counts as ``warming``.
+    ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
+    headers and ``: queued`` SSE comments while it waits.
     """
 
     socket: str = "/run/qwen38/engine.sock"
@@ -84,6 +88,7 @@ class EngineSettings:
     pool_idle_s: float = 4.0
     health_interval_s: float = 2.0
     queued_comment_after_s: float = 3.0
+    ready_file: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,104 @@
+"""The ``qwen38-gateway`` command: serve, demo, check, and the keys and token subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from gateway import __version__
+from gateway.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, ConfigError, load_settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.keys import KeysFileError
+    from gateway.logs import configure_logging
+    from gateway.server import install_uvloop, serve
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"qwen38-gateway: invalid configuration: {exc}", file=sys.stderr)
+        return 1
+    configure_logging(settings.logging.level)
+    install_uvloop()
+    try:
+        return asyncio.run(serve(settings, settings.source))
+    except KeysFileError as exc:
+        print(f"qwen38-gateway: cannot use the keys file:\n{exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"qwen38-gateway: cannot listen: {exc}", file=sys.stderr)
+        return 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    from gateway.keys import check_keys_file
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"FAIL config: {exc}")
+        return 1
+    print(f"OK   config: {settings.source or 'defaults (no file)'}")
+    problems = check_keys_file(settings.auth.keys_file)
+    for problem in problems:
+        print(f"FAIL keys: {problem}")
+    if not problems:
+        print(f"OK   keys: {settings.auth.keys_file}")
+    return 1 if problems else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    return run_demo(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        tokens_per_second=args.tokens_per_second,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand (DESIGN section 2)."""
+    from gateway.keys_cli import add_subcommands
+
+    parser = argparse.ArgumentParser(
+        prog="qwen38-gateway",
+        description="OpenAI-compatible gateway for Qwen3.8-27B on 1Cat-vLLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    config_help = f"TOML config (default ${CONFIG_ENV} or {DEFAULT_CONFIG_PATH})"
+
+    p = sub.add_parser("serve", help="run the gateway")
+    p.add_argument("--config", help=config_help)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser(
+        "demo", help="run the engine simulator and the gateway with a demo key (no config)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="public port (default 8000)")
+    p.add_argument("--metrics-port", type=int, default=9400, help="metrics port (default 9400)")
+    p.add_argument(
+        "--tokens-per-second",
+        type=float,
+        default=30.0,
+        help="simulated decode speed (default 30, like one V100; 0 = as fast as possible)",
+    )
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("check", help="validate the config and keys file; exit 1 on problems")
+    p.add_argument("--config", help=config_help)
+    p.set_defaults(func=_check)
+
+    add_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``qwen38-gateway`` and ``python -m gateway``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

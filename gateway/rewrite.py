@@ -1,0 +1,288 @@
+"""Request rewriting (DESIGN section 6): alias, thinking mode, sampling defaults, usage, isolation.
+
+`plan_request` turns a client's JSON body into the exact body sent to the engine plus the facts
+the rest of the request path needs (stream or not, usage wanted, thinking, token reservation).
+Everything the contract does not name passes through untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.config import Settings, TenantSettings
+from gateway.errors import BadRequest, NotFound, PermissionDenied
+
+Kind = Literal["chat", "completions"]
+
+# Qwen3.8-27B model card, "Best Practices" (vllm-protocol.md section 9.5; DEPLOYMENT-NOTES.md).
+SAMPLING_THINKING: Mapping[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 0.95,
+    "top_k": 20,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+}
+SAMPLING_NON_THINKING: Mapping[str, float | int] = {
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "min_p": 0.0,
+    "presence_penalty": 1.5,
+}
+# Per-message template overhead (<|im_start|>role\n ... <|im_end|>\n) in tokens.
+_MESSAGE_OVERHEAD_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """The engine-bound request and what the gateway must remember about it.
+
+    Attributes:
+        body: UTF-8 JSON to POST to the engine.
+        stream: the client asked for SSE.
+        client_wants_usage: the client asked for the usage chunk (``stream_options.include_usage``).
+        thinking: effective thinking mode (None for ``/v1/completions``, which has no template).
+        n: choices requested.
+        prompt_estimate: prompt tokens estimated from the body (an over-estimate, see
+            `estimate_prompt_tokens`).
+        max_output: output tokens the request may generate per choice.
+        reserve_tokens: tokens to reserve against the tenant's budget:
+            ``prompt_estimate + max_output * n`` (issue 4).
+    """
+
+    body: bytes
+    stream: bool
+    client_wants_usage: bool
+    thinking: bool | None
+    n: int
+    prompt_estimate: int
+    max_output: int
+    reserve_tokens: int
+
+
+def cache_salt(secret: bytes, tenant: str) -> str:
+    """Per-tenant prefix-cache salt: hex HMAC-SHA256 of the tenant name under a server secret.
+
+    Tenants never share cached prefixes (a timing side channel), while one tenant's requests
+    still hit its own cache (vllm-protocol.md section 4.2, ``cache_salt``).
+    """
+    return hmac.new(secret, tenant.encode(), hashlib.sha256).hexdigest()
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any], kind: Kind) -> int:
+    """Prompt tokens, over-estimated without a tokenizer: UTF-8 bytes of the text / 3, plus overhead.
+
+    Qwen's BPE averages about 4 bytes a token for English and 3 for CJK (3 UTF-8 bytes, often one
+    token each), so bytes/3 rarely under-counts; the reservation is settled to the engine's exact
+    usage when the request ends, so over-estimating only delays admission slightly.
+    """
+    total = 0
+    if kind == "chat":
+        messages = body.get("messages") or ()
+        for message in messages:
+            total += _MESSAGE_OVERHEAD_TOKENS
+            if isinstance(message, dict):
+                total += _text_bytes(message.get("content")) // 3
+                for extra in ("reasoning", "reasoning_content", "tool_calls"):
+                    if message.get(extra):
+                        total += _text_bytes(message[extra]) // 3
+        if body.get("tools"):
+            total += _text_bytes(body["tools"]) // 3
+    else:
+        total += _text_bytes(body.get("prompt")) // 3
+    return total + 3
+
+
+def _text_bytes(value: Any) -> int:
+    """UTF-8 size of the text in a content value (string, parts list, or any JSON)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, list):
+        return sum(
+            _text_bytes(part.get("text") if isinstance(part, dict) else part) for part in value
+        )
+    return len(json.dumps(value))
+
+
+def resolve_thinking(body: Mapping[str, Any], settings: Settings, tenant: TenantSettings) -> bool:
+    """The effective thinking mode, first decider wins (DESIGN section 6).
+
+    Order: ``chat_template_kwargs.enable_thinking``, top-level ``enable_thinking``,
+    ``reasoning_effort`` (``"none"`` is off, any other value on), the tenant's default, the
+    ``[thinking] default``. A tenant with ``thinking_allowed = false`` is always off.
+
+    Raises:
+        BadRequest: a decider of the wrong type.
+        PermissionDenied: the client asked for thinking and its tenant may not use it.
+    """
+    explicit: bool | None = None
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("enable_thinking") is not None:
+        explicit = _bool_field(kwargs["enable_thinking"], "chat_template_kwargs.enable_thinking")
+    elif body.get("enable_thinking") is not None:
+        explicit = _bool_field(body["enable_thinking"], "enable_thinking")
+    elif body.get("reasoning_effort") is not None:
+        effort = body["reasoning_effort"]
+        if not isinstance(effort, str):
+            raise BadRequest("'reasoning_effort' must be a string.", param="reasoning_effort")
+        explicit = effort != "none"
+    if not tenant.thinking_allowed:
+        if explicit:
+            raise PermissionDenied(
+                "Thinking mode is not enabled for this API key's tenant.",
+                param="chat_template_kwargs.enable_thinking",
+            )
+        return False
+    if explicit is not None:
+        return explicit
+    if tenant.thinking_default is not None:
+        return tenant.thinking_default
+    return settings.thinking.default
+
+
+def _bool_field(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean.", param=name)
+    return value
+
+
+def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequest(f"'{name}' must be a positive integer.", param=name)
+    return value
+
+
+def plan_request(
+    body: Any,
+    kind: Kind,
+    *,
+    settings: Settings,
+    tenant: TenantSettings,
+    request_id: str,
+    salt_secret: bytes,
+) -> RequestPlan:
+    """Validate a client body and build the engine request.
+
+    Args:
+        body: the parsed JSON body.
+        kind: ``chat`` for ``/v1/chat/completions``, ``completions`` for ``/v1/completions``.
+        settings: current configuration.
+        tenant: the caller's tenant settings.
+        request_id: the gateway's request id (replaces any client ``request_id``).
+        salt_secret: server secret for `cache_salt`.
+
+    Raises:
+        BadRequest: not an object, missing ``messages``/``prompt``, fields of the wrong type.
+        NotFound: ``model`` is neither absent nor the alias (code ``model_not_found``).
+        PermissionDenied: thinking requested by a tenant that may not use it.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    model = body.get("model")
+    if model is not None and model != settings.model.alias:
+        shown = model if isinstance(model, str) else json.dumps(model)
+        raise NotFound(
+            f"The model `{shown[:200]}` does not exist.", param="model", code="model_not_found"
+        )
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array.", param="messages")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise BadRequest(f"'messages[{index}]' must be an object.", param="messages")
+    elif body.get("prompt") is None:
+        raise BadRequest("'prompt' is required.", param="prompt")
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean.", param="stream")
+    n = _positive_int(body, "n") or 1
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise BadRequest("'stream_options' must be an object.", param="stream_options")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object.", param="chat_template_kwargs")
+
+    out = dict(body)
+    out["model"] = settings.engine.model
+
+    client_wants_usage = False
+    out.pop("stream_options", None)
+    if stream:
+        options = dict(stream_options or {})
+        client_wants_usage = options.get("include_usage") is True
+        if not client_wants_usage:
+            options.pop("continuous_usage_stats", None)
+        options["include_usage"] = True
+        out["stream_options"] = options
+
+    thinking: bool | None = None
+    if kind == "chat":
+        thinking = resolve_thinking(body, settings, tenant)
+        out.pop("enable_thinking", None)
+        out["chat_template_kwargs"] = {**(kwargs or {}), "enable_thinking": thinking}
+        defaults = SAMPLING_THINKING if thinking else SAMPLING_NON_THINKING
+        for name, value in defaults.items():
+            if out.get(name) is None:
+                out[name] = value
+        out["messages"] = [_normalise_message(m) for m in body["messages"]]
+
+    prompt_estimate = estimate_prompt_tokens(body, kind)
+    max_fields = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
+    requested = None
+    for name in max_fields:
+        requested = _positive_int(body, name)
+        if requested is not None:
+            break
+    if requested is None:
+        room = settings.engine.max_model_len - prompt_estimate
+        max_output = max(1, min(tenant.max_tokens, room))
+        if room >= 1:
+            out[max_fields[0]] = max_output
+    else:
+        max_output = requested
+
+    out.pop("priority", None)
+    out["request_id"] = request_id
+    out["cache_salt"] = cache_salt(salt_secret, tenant.name)
+
+    return RequestPlan(
+        body=_dumps(out),
+        stream=stream,
+        client_wants_usage=client_wants_usage,
+        thinking=thinking,
+        n=n,
+        prompt_estimate=prompt_estimate,
+        max_output=max_output,
+        reserve_tokens=prompt_estimate + max_output * n,
+    )
+
+
+def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Accept assistant history under either reasoning name; the engine reads ``reasoning``."""
+    if "reasoning_content" in message and "reasoning" not in message:
+        message = dict(message)
+        message["reasoning"] = message.pop("reasoning_content")
+    return message
+
+
+def _dumps(obj: Any) -> bytes:
+    """Compact JSON; strings with lone surrogates (legal in JSON escapes) fall back to ASCII escapes."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj, separators=(",", ":")).encode()

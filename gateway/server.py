@@ -1,0 +1,79 @@
+"""Running the gateway: startup, serve until a signal, graceful shutdown (uvicorn's phases).
+
+SIGTERM or SIGINT: stop accepting, let requests in flight finish for ``server.shutdown_grace_s``,
+then cancel the rest; a second signal cancels at once. SIGHUP: reload config and keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import structlog
+from aiohttp import web
+
+from gateway.app import RELOADER, create_app
+from gateway.config import Settings
+from gateway.exposition import create_metrics_app
+
+log = structlog.get_logger("gateway")
+
+
+def install_uvloop() -> None:
+    """Use uvloop's event loop when installed (cheaper socket I/O for the relay)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def serve(settings: Settings, config_path: str | None) -> int:
+    """Run the public and metrics listeners until SIGTERM/SIGINT; returns the exit code.
+
+    Raises:
+        gateway.keys.KeysFileError: the keys file cannot be used (raised before listening).
+        OSError: a listen address is taken.
+    """
+    app = create_app(settings, config_path=config_path)
+    grace = settings.server.shutdown_grace_s
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace)
+    await runner.setup()
+    runners = [runner]
+    try:
+        await web.TCPSite(runner, settings.server.host, settings.server.port).start()
+        if settings.metrics.enabled:
+            metrics_runner = web.AppRunner(create_metrics_app(app), access_log=None)
+            await metrics_runner.setup()
+            runners.append(metrics_runner)
+            await web.TCPSite(metrics_runner, settings.metrics.host, settings.metrics.port).start()
+        log.info(
+            "gateway_started",
+            host=settings.server.host,
+            port=settings.server.port,
+            metrics=f"{settings.metrics.host}:{settings.metrics.port}"
+            if settings.metrics.enabled
+            else None,
+            engine_socket=settings.engine.socket,
+            config=settings.source,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, app[RELOADER].trigger)
+        await stop.wait()
+        log.info("gateway_draining", grace_s=grace)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _force_exit)
+    finally:
+        for r in reversed(runners):
+            await r.cleanup()
+    log.info("gateway_stopped")
+    return 0
+
+
+def _force_exit() -> None:
+    log.warning("gateway_forced_exit")
+    sys.exit(1)

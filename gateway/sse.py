@@ -1,0 +1,268 @@
+"""The SSE relay core: engine bytes in, client bytes out, with the contract's few rewrites. No I/O.
+
+The engine frames each event as ``data: <json>\\n\\n`` and ends with ``data: [DONE]\\n\\n``
+(vllm-protocol.md section 5.3). This module tolerates what real upstreams and proxies do instead
+(cases C02-C08): events split across reads or several in one read, CRLF or bare-CR framing,
+comment lines, multi-line data, reads cut inside a UTF-8 character, a missing ``[DONE]``.
+
+It works on bytes and decodes JSON only for the few events that need it (usage chunks, error
+events, chunks carrying both reasoning names). Rewrites, all byte-level on compact engine JSON:
+
+- ``"reasoning":`` becomes ``"reasoning_content":`` (DESIGN section 6);
+- ``"model":"<engine name>"`` becomes the public alias when they differ;
+- the usage-only chunk is dropped unless the client asked for ``include_usage``;
+- ``data: [DONE]`` is sent exactly once, by this module, at a clean end.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DONE_EVENT = b"data: [DONE]\n\n"
+_MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+class StreamProtocolError(Exception):
+    """The upstream stream cannot be relayed (an event over 16 MiB without a terminator)."""
+
+
+@dataclass
+class Usage:
+    """Token usage as the engine reported it (OpenAI ``usage`` object); counts are tokens."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class RelayState:
+    """What the relay observed; read by the caller for accounting, metrics and logs.
+
+    Attributes:
+        events: data events received (JSON or ``[DONE]``), comments excluded.
+        content_events: data events other than the first (role) chunk, usage and errors; an upper
+            bound of tokens streamed, used only when the engine never sent usage (a drop).
+        usage: the engine's usage, once its usage chunk was seen.
+        done: the engine sent ``[DONE]``.
+        finished_choices: ``finish_reason`` values seen (one per choice at a normal end).
+        error: the error object of an in-stream error event, if any.
+    """
+
+    events: int = 0
+    content_events: int = 0
+    usage: Usage | None = None
+    done: bool = False
+    finished_choices: int = 0
+    error: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SseRelay:
+    """Incremental relay of one chat or completion stream.
+
+    Args:
+        engine_model: the model name the engine echoes (``engine.model``).
+        alias: the public name to show instead.
+        client_wants_usage: the client set ``stream_options.include_usage``; otherwise the usage
+            chunk the gateway asked for is observed and dropped.
+        n: choices requested; a stream that ends after ``n`` finish reasons without ``[DONE]``
+            still counts as a clean end (case C06a).
+
+    Usage: call `feed` with each upstream read and write what it returns (possibly ``b""``);
+    at upstream EOF call `finish` and write what it returns.
+    """
+
+    def __init__(
+        self, engine_model: str, alias: str, *, client_wants_usage: bool, n: int = 1
+    ) -> None:
+        self.state = RelayState()
+        self._buf = b""
+        self._pending_cr = False
+        self._wants_usage = client_wants_usage
+        self._n = max(1, n)
+        self._model_from = b'"model":' + json.dumps(engine_model).encode()
+        self._model_to = b'"model":' + json.dumps(alias).encode()
+        self._rename_model = engine_model != alias
+
+    def feed(self, data: bytes) -> bytes:
+        """Consume one upstream read; return the bytes to send to the client now.
+
+        Raises:
+            StreamProtocolError: an unterminated event grew beyond 16 MiB.
+        """
+        if b"\r" in data or self._pending_cr:
+            data = self._normalise_newlines(data)
+        buf = self._buf + data if self._buf else data
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            if len(buf) > _MAX_EVENT_BYTES:
+                raise StreamProtocolError("event larger than 16 MiB without a terminator")
+            self._buf = buf
+            return b""
+        self._buf = buf[end + 2 :]
+        out = []
+        for block in buf[:end].split(b"\n\n"):
+            if block:
+                piece = self._event(block)
+                if piece:
+                    out.append(piece)
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """Upstream reached EOF: flush a final unterminated event and close the stream properly.
+
+        Returns the last bytes for the client: ``[DONE]`` after a clean end (the engine sent
+        ``[DONE]``, or every choice finished), else one OpenAI error event and no ``[DONE]`` so
+        clients see the truncation (case C06b).
+        """
+        tail = b""
+        rest = self._buf.strip(b"\n")
+        self._buf = b""
+        if rest:
+            tail = self._event(rest)
+        if self.clean_end:
+            return tail + DONE_EVENT
+        return tail
+
+    @property
+    def clean_end(self) -> bool:
+        """True when the upstream stream ended as a complete answer (or reported its own error)."""
+        s = self.state
+        return s.done or s.error is not None or s.finished_choices >= self._n
+
+    def _normalise_newlines(self, data: bytes) -> bytes:
+        """CRLF and bare CR become LF, even when the CR and LF arrive in different reads (C04)."""
+        if self._pending_cr:
+            self._pending_cr = False
+            if data.startswith(b"\n"):
+                data = data[1:]
+            data = b"\n" + data
+        if data.endswith(b"\r"):
+            self._pending_cr = True
+            data = data[:-1]
+        return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+    def _event(self, block: bytes) -> bytes:
+        """One complete event block (no blank line inside); returns its client bytes."""
+        if block.startswith(b"data: ") and b"\n" not in block:
+            payload = block[6:]
+        else:
+            lines = block.split(b"\n")
+            data_lines = []
+            comments = []
+            for line in lines:
+                if line.startswith(b"data:"):
+                    value = line[5:]
+                    data_lines.append(value[1:] if value.startswith(b" ") else value)
+                elif line.startswith(b":"):
+                    comments.append(line)
+                # other fields (event:, id:, retry:) carry nothing this API uses
+            if not data_lines:
+                return b"\n".join(comments) + b"\n\n" if comments else b""
+            payload = b"\n".join(data_lines)
+        return self._data(payload)
+
+    def _data(self, payload: bytes) -> bytes:
+        """One ``data:`` payload: observe, rewrite, and frame it for the client."""
+        state = self.state
+        state.events += 1
+        stripped = payload.strip()
+        if stripped == b"[DONE]":
+            state.done = True
+            return b""
+        if state.done:
+            return b""  # nothing after [DONE] is valid; the engine never sends any
+        if b'"error"' in payload and payload.lstrip().startswith(b'{"error"'):
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+                state.error = obj["error"]
+                return b"data: " + payload + b"\n\n"
+        if b'"usage"' in payload:
+            usage_only = self._observe_usage(payload)
+            if not self._wants_usage:
+                if usage_only:
+                    return b""
+                payload = _drop_usage(payload)
+        elif state.events > 1:
+            state.content_events += 1
+        state.finished_choices += payload.count(b'"finish_reason":"')
+        if b'"reasoning":' in payload:
+            if b'"reasoning_content":' in payload:
+                payload = _merge_reasoning(payload)
+            else:
+                payload = payload.replace(b'"reasoning":', b'"reasoning_content":')
+        if self._rename_model:
+            payload = payload.replace(self._model_from, self._model_to, 1)
+        return b"data: " + payload + b"\n\n"
+
+    def _observe_usage(self, payload: bytes) -> bool:
+        """Record the usage in a chunk; True when it is the usage-only chunk (``choices: []``)."""
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return False
+        if not isinstance(obj, dict):
+            return False
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.state.usage = Usage(
+                prompt_tokens=_int(usage.get("prompt_tokens")),
+                completion_tokens=_int(usage.get("completion_tokens")),
+            )
+        return obj.get("choices") == []
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _drop_usage(payload: bytes) -> bytes:
+    """Remove a running ``usage`` object from a chunk the client did not ask usage for."""
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return payload
+    if isinstance(obj, dict):
+        obj.pop("usage", None)
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _merge_reasoning(payload: bytes) -> bytes:
+    """A chunk with both ``reasoning`` and ``reasoning_content``: keep the text once (case C08)."""
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return payload
+    for choice in obj.get("choices") or ():
+        for part in ("delta", "message"):
+            holder = choice.get(part) if isinstance(choice, dict) else None
+            if isinstance(holder, dict) and "reasoning" in holder:
+                text = holder.pop("reasoning")
+                if holder.get("reasoning_content") is None:
+                    holder["reasoning_content"] = text
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def rewrite_completion_body(body: dict[str, Any], alias: str) -> dict[str, Any]:
+    """Rewrite a non-streaming engine answer in place: alias as ``model``, ``reasoning_content``.
+
+    Args:
+        body: the engine's JSON object (vllm-protocol.md section 5.1 or 8.3).
+        alias: the public model id.
+
+    Returns the same object, for chaining.
+    """
+    if "model" in body:
+        body["model"] = alias
+    for choice in body.get("choices") or ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if isinstance(message, dict) and "reasoning" in message:
+            text = message.pop("reasoning")
+            if message.get("reasoning_content") is None:
+                message["reasoning_content"] = text
+    return body
