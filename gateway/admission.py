@@ -1,4 +1,4 @@
-"""The admission queue: at most ``engine.max_concurrency`` requests at the engine, the rest wait fairly."""
+"""The admission queue: a bounded number of requests at the engine, the others wait fairly."""
 
 from __future__ import annotations
 
@@ -193,15 +193,13 @@ class AdmissionQueue:
     def drain_rate(self) -> float:
         """Requests the engine completes per second when saturated, from measured engine times.
 
-        ``max_concurrency / average engine time``, the average an EWMA (alpha 0.2) of grant-to-release
-        durations; `DEFAULT_SERVICE_S` until a request has finished.
+        ``max_concurrency / average engine time``, the average an EWMA (alpha 0.2) of
+        grant-to-release durations; `DEFAULT_SERVICE_S` until a request has finished.
         """
         service = self._service_s if self._service_s is not None else DEFAULT_SERVICE_S
         return self.max_concurrency / max(service, 1e-3)
 
-    def enqueue(
-        self, tenant: str, weight: float, cost: int, *, label: str | None = None
-    ) -> Ticket:
+    def enqueue(self, tenant: str, weight: float, cost: int, *, label: str | None = None) -> Ticket:
         """Ask for an engine slot for one request.
 
         Args:
@@ -226,9 +224,7 @@ class AdmissionQueue:
             return ticket
         if self._depth >= self.queue_size:
             ticket._state = _State.DONE
-            raise self._refusal(
-                ticket, f"The queue is full ({self.queue_size} requests waiting)"
-            )
+            raise self._refusal(ticket, f"The queue is full ({self.queue_size} requests waiting)")
         ticket.tag = max(self._vtime, self._last_tag.get(tenant, 0.0)) + cost / weight
         self._last_tag[tenant] = ticket.tag
         ticket._future = asyncio.get_running_loop().create_future()
@@ -243,9 +239,7 @@ class AdmissionQueue:
         self._metrics.queue_depth.set(self._depth)
         return ticket
 
-    def reconfigure(
-        self, max_concurrency: int, queue_size: int, queue_timeout_s: float
-    ) -> None:
+    def reconfigure(self, max_concurrency: int, queue_size: int, queue_timeout_s: float) -> None:
         """Apply reloaded ``[engine]`` values; waiters keep their places and see the new timeout.
 
         A smaller queue refuses newcomers until it has drained below the new size; a larger
@@ -295,9 +289,7 @@ class AdmissionQueue:
         if ticket.granted_at is not None:
             sample = max(0.0, self.clock() - ticket.granted_at)
             old = self._service_s
-            self._service_s = (
-                sample if old is None else old + SERVICE_EWMA_ALPHA * (sample - old)
-            )
+            self._service_s = sample if old is None else old + SERVICE_EWMA_ALPHA * (sample - old)
         self._dispatch()
 
     def _grant(self, ticket: Ticket, now: float) -> None:
@@ -326,7 +318,7 @@ class AdmissionQueue:
             self._idle()
 
     def _idle(self) -> None:
-        """Nobody waits: start the next busy period from virtual time 0 (tags only order waiters)."""
+        """Nobody waits: the next busy period starts at virtual time 0 (tags only order waiters)."""
         self._heap.clear()
         self._vtime = 0.0
         self._last_tag.clear()
@@ -350,7 +342,6 @@ class AdmissionQueue:
                 wait,
             )
         return EngineUnavailable(
-            f"{what}; the engine is saturated. "
-            f"Retry in about {retry_after_header(per_request)} s.",
+            f"{what}; the engine is saturated. Retry in about {retry_after_header(per_request)} s.",
             per_request,
         )

@@ -12,13 +12,13 @@ from typing import Any
 import structlog
 
 from gateway.config import Settings, TenantSettings
-from gateway.errors import RateLimited
+from gateway.errors import RateLimited, retry_after_header
 from gateway.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
 WINDOW_S = 60.0
-"""The period of ``rpm`` and ``tpm``: a limit of N allows N per 60 s, all of it at once (burst N)."""
+"""The period of ``rpm`` and ``tpm``: a limit of N allows N per 60 s, all at once (burst N)."""
 
 # Float rounding must not refuse a request at the very instant its Retry-After says it passes.
 _EPSILON = 1e-6
@@ -39,7 +39,7 @@ _BYTES_PER_TOKEN = 3
 
 
 def format_reset(seconds: float) -> str:
-    """A duration as OpenAI writes ``x-ratelimit-reset-*``: ``"120ms"``, ``"1s"``, ``"8.64s"``, ``"6m0s"``.
+    """A duration as OpenAI writes ``x-ratelimit-reset-*``: ``"120ms"``, ``"8.64s"``, ``"6m0s"``.
 
     Below one second whole milliseconds (rounded up); from one second on Go's duration format
     (``1h2m3.5s``) with at most millisecond precision. Zero or less is ``"0s"``.
@@ -63,9 +63,10 @@ def format_reset(seconds: float) -> str:
 class Bucket:
     """One continuously draining budget (a leaky bucket, the state form of GCRA).
 
-    ``level`` units were used at monotonic time ``ts`` and drain at ``limit / 60`` per second, so a
-    limit of N admits N at once and then one every ``60 / N`` seconds, with no fixed window edge. The
-    state is a count, not a deadline, so a reload that changes the limit keeps what was used.
+    ``level`` units were used at monotonic time ``ts`` and drain at ``limit / 60`` per second, so
+    a limit of N admits N at once and then one every ``60 / N`` seconds, with no fixed window
+    edge. The state is a count, not a deadline, so a reload that changes the limit keeps what was
+    used.
     """
 
     level: float = 0.0
@@ -98,9 +99,7 @@ def wait_for(level: float, cost: float, limit: int) -> float:
     return excess * WINDOW_S / limit
 
 
-def limit_headers(
-    rpm: int, req_level: float, tpm: int, tok_level: float
-) -> dict[str, str]:
+def limit_headers(rpm: int, req_level: float, tpm: int, tok_level: float) -> dict[str, str]:
     """OpenAI's six ``x-ratelimit-*`` headers for the given limits and levels used.
 
     ``remaining`` is what fits right now (rounded down); ``reset`` the time until the budget is
@@ -127,7 +126,8 @@ class Reservation:
         reserved_tokens: tokens charged at admission (the app's estimate).
         headers: OpenAI's six ``x-ratelimit-*`` headers as of admission, for the response.
         limits: the tenant's settings the reservation was made under.
-        backend: ``"memory"`` or ``"redis"``: where the charge lives (settled in the same place).
+        backend: ``"memory"`` or ``"redis"``: where the charge lives (settled in the same place;
+            the Redis backend's fallback makes ``"memory"`` reservations).
         lease: the Redis concurrency lease id, or None.
         settled: True once `RateLimiter.settle` ran (a second call does nothing).
     """
@@ -190,8 +190,13 @@ class RateLimiter(abc.ABC):
     async def headers(self, tenant: TenantSettings) -> dict[str, str]:
         """The tenant's six ``x-ratelimit-*`` headers now, taking nothing (for ``/v1/models``)."""
 
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Connect and start background work at app startup (else the first call starts it)."""
+
+    @abc.abstractmethod
     async def close(self) -> None:
-        """Release connections and background tasks; idempotent."""
+        """Stop background work and release connections, at app cleanup; idempotent."""
 
     def refuse(
         self,
@@ -202,15 +207,13 @@ class RateLimiter(abc.ABC):
         headers: Mapping[str, str],
     ) -> RateLimited:
         """Build (and count in ``gateway_rate_limited_total``) the 429 for ``limit``."""
-        self._metrics.rate_limited.labels(
-            self._settings.tenant_label(tenant.name), limit
-        ).inc()
+        self._metrics.rate_limited.labels(self._settings.tenant_label(tenant.name), limit).inc()
         if limit == "requests" and math.isinf(retry_after_s):
             message = "This tenant's requests per minute (RPM) limit is 0: no request can pass."
         elif limit == "requests":
             message = (
                 f"Rate limit reached for requests per minute (RPM): limit {tenant.rpm}. "
-                f"Retry after {math.ceil(retry_after_s)} s."
+                f"Retry after {retry_after_header(retry_after_s)} s."
             )
         elif limit == "tokens" and math.isinf(retry_after_s):
             message = (
@@ -220,7 +223,7 @@ class RateLimiter(abc.ABC):
         elif limit == "tokens":
             message = (
                 f"Rate limit reached for tokens per minute (TPM): limit {tenant.tpm}, "
-                f"requested {tokens}. Retry after {math.ceil(retry_after_s)} s."
+                f"requested {tokens}. Retry after {retry_after_header(retry_after_s)} s."
             )
         else:
             message = (
@@ -291,13 +294,17 @@ class MemoryRateLimiter(RateLimiter):
         """See `RateLimiter.reserve`."""
         return self.reserve_now(tenant, tokens)
 
-    def reserve_now(self, tenant: TenantSettings, tokens: int) -> Reservation:
-        """`reserve` without awaiting (the Redis backend's fallback calls it directly)."""
+    def reserve_now(self, tenant: TenantSettings, tokens: int, *, held: int = 0) -> Reservation:
+        """`reserve` without awaiting; ``held`` more requests count as in flight.
+
+        The Redis backend falls back to this while Redis is unreachable, passing the tenant's
+        requests still running here under Redis leases as ``held``.
+        """
         now = self._clock()
         state = self._state(tenant.name)
         req = state.requests.drained(tenant.rpm, now)
         tok = state.tokens.drained(tenant.tpm, now)
-        refused = check(tenant, tokens, state.in_flight, req, tok)
+        refused = check(tenant, tokens, state.in_flight + held, req, tok)
         if refused is not None:
             headers = limit_headers(tenant.rpm, req, tenant.tpm, tok)
             raise self.refuse(tenant, refused[0], refused[1], tokens, headers)
@@ -305,9 +312,7 @@ class MemoryRateLimiter(RateLimiter):
         state.tokens.set(tok + tokens, now)
         state.in_flight += 1
         headers = limit_headers(tenant.rpm, req + 1, tenant.tpm, tok + tokens)
-        return Reservation(
-            tenant.name, tokens, headers, limits=tenant, backend=self.backend
-        )
+        return Reservation(tenant.name, tokens, headers, limits=tenant, backend=self.backend)
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         """See `RateLimiter.settle`."""
@@ -341,6 +346,12 @@ class MemoryRateLimiter(RateLimiter):
             state.tokens.drained(tenant.tpm, now),
         )
 
+    async def start(self) -> None:
+        """Nothing to start: the memory backend has no connection or background task."""
+
+    async def close(self) -> None:
+        """Nothing to close; counts are kept (a closed memory limiter still works)."""
+
 
 def create_rate_limiter(
     settings: Settings, metrics: Metrics, *, clock: Callable[[], float] = time.monotonic
@@ -350,11 +361,11 @@ def create_rate_limiter(
     The Redis limiter connects lazily and falls back to local limits while Redis is unreachable, so
     this never fails for a Redis that is down. Call `RateLimiter.close` at shutdown.
     """
-    metrics.ratelimit_backend_up.labels("memory").set(1)
     if settings.ratelimit.backend == "redis":
         from gateway.ratelimit_redis import RedisRateLimiter
 
         return RedisRateLimiter(settings, metrics, clock=clock)
+    metrics.ratelimit_backend_up.labels("memory").set(1)
     return MemoryRateLimiter(settings, metrics, clock=clock)
 
 
@@ -365,9 +376,7 @@ def _text_bytes(value: Any) -> int:
     if isinstance(value, list):
         return sum(_text_bytes(v) for v in value)
     if isinstance(value, dict):
-        return sum(
-            _text_bytes(v) for k, v in value.items() if k not in ("image_url", "type")
-        )
+        return sum(_text_bytes(v) for k, v in value.items() if k not in ("image_url", "type"))
     return 0
 
 
