@@ -133,15 +133,13 @@ class SseRelay:
         return s.done or s.error is not None or s.finished_choices >= self._n
 
     def _normalise_newlines(self, data: bytes) -> bytes:
-        """CRLF and bare CR become LF, even when the CR and LF arrive in different reads (C04)."""
+        """CRLF and bare CR become LF at once; an LF that completes a CR of the previous read
+        is dropped, so the CR and LF of one terminator may arrive in different reads (C04)."""
         if self._pending_cr:
             self._pending_cr = False
             if data.startswith(b"\n"):
                 data = data[1:]
-            data = b"\n" + data
-        if data.endswith(b"\r"):
-            self._pending_cr = True
-            data = data[:-1]
+        self._pending_cr = data.endswith(b"\r")
         return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
     def _event(self, block: bytes) -> bytes:
