@@ -1,0 +1,1 @@
+"""Engine side of the service: launcher, supervisor and wire-compatible simulator of 1Cat-vLLM."""

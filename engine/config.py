@@ -1,0 +1,470 @@
+"""engine.toml: the launcher's configuration (DESIGN section 8), parsed once into frozen dataclasses.
+
+Every key has a default and a missing file means all defaults. Unknown keys and values of the wrong
+type or range fail at load with a `ConfigError` naming the key and the value; values that could be
+secrets (anything after ``--api-key``, ``VLLM_API_KEY``) are never echoed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = "/etc/qwen38/engine.toml"
+CONFIG_ENV = "QWEN38_ENGINE_CONFIG"
+
+GpuKind = Literal["index", "uuid", "pci"]
+_GPU_INDEX_RE = re.compile(r"^[0-9]{1,3}$")
+_GPU_UUID_RE = re.compile(r"^GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
+# nvidia-smi prints 00000000:00:1E.0 (8-digit domain); lspci prints 0000:00:1e.0 or 00:1e.0.
+_GPU_PCI_RE = re.compile(
+    r"^(?:(?P<domain>[0-9a-fA-F]{4,8}):)?(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})\.(?P<fn>[0-7])$"
+)
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Flags the launcher computes from engine.toml keys; in extra_args they would silently override
+# (argparse keeps the last value), so they are refused with the key to use instead.
+MANAGED_FLAGS: Mapping[str, str] = MappingProxyType(
+    {
+        "--model": "engine.model_path",
+        "--served-model-name": "engine.served_model",
+        "--uds": "engine.socket",
+        "--max-model-len": "engine.max_model_len",
+        "--kv-cache-dtype": "engine.kv_cache_dtype",
+        "--gpu-memory-utilization": "engine.gpu_memory_utilization",
+        "--max-num-seqs": "engine.max_num_seqs",
+        "--reasoning-parser": "engine.reasoning_parser",
+        "--tool-call-parser": "engine.tool_call_parser",
+        "--attention-backend": "engine.attention_backend",
+        "--enable-auto-tool-choice": "engine.tool_call_parser",
+        "--disable-fastapi-docs": "(always set)",
+    }
+)
+
+# Environment variables refused in [engine.env] and dropped from the inherited environment,
+# each with the reason (vllm-protocol.md section 1.4).
+FORBIDDEN_ENV: Mapping[str, str] = MappingProxyType(
+    {
+        "VLLM_API_KEY": (
+            "an API key on the engine breaks the gateway and is visible in the process "
+            "environment; the engine listens only on the Unix socket and the gateway checks keys"
+        ),
+        "VLLM_ATTENTION_BACKEND": (
+            "this vLLM build ignores it (removed upstream by PR #32812); set "
+            "engine.attention_backend, which becomes --attention-backend"
+        ),
+        "VLLM_SERVER_DEV_MODE": "it mounts the dev/admin routes (/sleep, /collective_rpc ...)",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "it mounts the LoRA load/unload routes",
+        "VLLM_DEBUG_LOG_API_SERVER_RESPONSE": "it logs response bodies (completions) in clear",
+        "CUDA_VISIBLE_DEVICES": "the launcher sets it from engine.gpu",
+        "CUDA_DEVICE_ORDER": "the launcher sets it to PCI_BUS_ID so indices follow slot order",
+    }
+)
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file, key and offending value."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``[engine]``: what to run and with which vLLM flags (DESIGN section 8).
+
+    Attributes:
+        program: argv prefix; the launcher appends the flags (vllm-protocol.md section 1.2: the
+            ``python -m vllm.entrypoints.openai.api_server`` form takes ``--model``).
+        model_path: checkpoint directory (``--model``).
+        served_model: ``--served-model-name``; the gateway's ``engine.model`` must match.
+        socket: ``--uds`` path; the engine never listens on TCP.
+        gpu: one GPU as an index (``"0"``), a UUID (``"GPU-..."``) or a PCI bus id
+            (``"00000000:00:1E.0"``); becomes ``CUDA_VISIBLE_DEVICES`` with
+            ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (a bus id is translated to the GPU's UUID, because
+            CUDA does not accept bus ids there).
+        max_model_len: context length in tokens; 254,976 fits the 256,484-token FP8 KV pool measured
+            on the reference V100 (DEPLOYMENT-NOTES).
+        kv_cache_dtype: ``--kv-cache-dtype``; ``fp8_e5m2`` is what Flash-V100 uses on SM70
+            (vllm-protocol.md section 1.3).
+        gpu_memory_utilization: fraction (0, 1] of the card vLLM may use (``--gpu-memory-utilization``).
+            0.90 is vLLM's default, and 0.90 x 32 GiB = 28.8 GiB is the reference deployment's
+            measured footprint of 28.77 GiB on the V100 (DEPLOYMENT-NOTES), the setting that
+            produced the 256,484-token KV pool ``max_model_len`` relies on: lower values shrink the pool below one full
+            context and vLLM refuses to start; higher values leave too little for the CUDA context
+            and allocator fragmentation around the ~23 GB of weights. vLLM also refuses to start
+            when less than this fraction of the card is free, which preflight checks.
+        max_num_seqs: ``--max-num-seqs`` (vLLM requires >= 1). 1: the gateway sends one request
+            at a time (DESIGN section 3, ``engine.max_concurrency = 1``), the KV pool holds about one
+            full-length context, and vLLM reserves recurrent (Gated DeltaNet) state and CUDA graphs
+            per sequence slot, memory the KV pool needs more.
+        reasoning_parser: ``--reasoning-parser``; without it thinking text lands in ``content``.
+        tool_call_parser: ``--tool-call-parser`` (with ``--enable-auto-tool-choice``).
+        attention_backend: ``--attention-backend``; the flag, not ``VLLM_ATTENTION_BACKEND``
+            (ignored by this build, vllm-protocol.md section 1.4).
+        extra_args: appended after the computed flags; never ``--api-key``, never a managed flag.
+        env: added to the engine's environment (``[engine.env]``).
+    """
+
+    program: tuple[str, ...] = ("python3", "-m", "vllm.entrypoints.openai.api_server")
+    model_path: str = "/models/Qwen3.8-27B-QUASAR-NVFP4"
+    served_model: str = "qwen3.8-27b"
+    socket: str = "/run/qwen38/engine.sock"
+    gpu: str = "0"
+    max_model_len: int = 254_976
+    kv_cache_dtype: str = "fp8_e5m2"
+    gpu_memory_utilization: float = 0.90
+    max_num_seqs: int = 1
+    reasoning_parser: str = "qwen3"
+    tool_call_parser: str = "qwen3_coder"
+    attention_backend: str = "FLASH_ATTN_V100"
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def gpu_kind(self) -> GpuKind:
+        """How ``gpu`` names the card: ``index``, ``uuid`` or ``pci`` (validated at load)."""
+        return gpu_kind(self.gpu)
+
+
+@dataclass(frozen=True)
+class SuperviseConfig:
+    """``[supervise]``: timings of the launcher's watch over the engine, in seconds.
+
+    Attributes:
+        start_timeout_s: from spawn to the end of the warm-up; loading 23 GB and compiling kernels
+            on a V100 takes minutes (DESIGN section 8).
+        health_interval_s: time between two ``GET /health`` probes.
+        probe_timeout_s: longest wait for one probe's answer.
+        unhealthy_after_s: no healthy answer for this long after ready: kill, exit non-zero.
+        stop_grace_s: time between SIGTERM and SIGKILL.
+        warmup: send one short chat completion before reporting ready.
+        warmup_max_tokens: its ``max_tokens``.
+    """
+
+    start_timeout_s: float = 1800.0
+    health_interval_s: float = 5.0
+    probe_timeout_s: float = 5.0
+    unhealthy_after_s: float = 60.0
+    stop_grace_s: float = 30.0
+    warmup: bool = True
+    warmup_max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class PreflightConfig:
+    """``[preflight]``: thresholds of the host checks.
+
+    Attributes:
+        min_shm_mib: smaller ``/dev/shm`` is a WARN; Docker's default of 64 MiB is the usual
+            culprit (DEPLOYMENT-NOTES field report: give the engine enough shared memory).
+        min_free_disk_mib: less free space than this where the caches live is a FAIL (Triton,
+            torch.compile and tilelang write compiled kernels there on first use).
+        cache_dir: where those caches live; empty means ``$XDG_CACHE_HOME`` or ``$HOME/.cache``
+            of the engine's environment.
+    """
+
+    min_shm_mib: int = 1024
+    min_free_disk_mib: int = 5120
+    cache_dir: str = ""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole launcher configuration. Build with `load_settings` or `parse_settings`.
+
+    ``source`` is the file read, or None when defaults were used because it does not exist.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    source: str | None = None
+
+
+def gpu_kind(selector: str) -> GpuKind:
+    """Classify a GPU selector as ``index``, ``uuid`` or ``pci``.
+
+    Raises:
+        ValueError: it is none of them.
+    """
+    if _GPU_INDEX_RE.match(selector):
+        return "index"
+    if _GPU_UUID_RE.match(selector):
+        return "uuid"
+    if _GPU_PCI_RE.match(selector):
+        return "pci"
+    raise ValueError(selector)
+
+
+def normalize_bus_id(bus_id: str) -> tuple[int, int, int, int] | None:
+    """(domain, bus, device, function) of a PCI bus id in nvidia-smi or lspci form, else None."""
+    match = _GPU_PCI_RE.match(bus_id.strip())
+    if match is None:
+        return None
+    return (
+        int(match["domain"] or "0", 16),
+        int(match["bus"], 16),
+        int(match["dev"], 16),
+        int(match["fn"]),
+    )
+
+
+def _show(value: Any) -> str:
+    """A value as TOML-ish text for error messages."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _string(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} = {_show(value)}: expected a string")
+    return value
+
+
+def _name(key: str, value: Any) -> str:
+    text = _string(key, value)
+    if not _NAME_RE.match(text):
+        raise ConfigError(f"{key} = {_show(value)}: expected a name (letters, digits, _ . -)")
+    return text
+
+
+def _path(key: str, value: Any) -> str:
+    text = _string(key, value)
+    if not text or "\x00" in text:
+        raise ConfigError(f"{key} = {_show(value)}: expected a non-empty path")
+    return text
+
+
+def _socket(key: str, value: Any) -> str:
+    text = _path(key, value)
+    if not os.path.isabs(text):
+        raise ConfigError(f"{key} = {_show(value)}: expected an absolute path")
+    # sockaddr_un.sun_path is 108 bytes including the terminating NUL (unix(7)).
+    if len(os.fsencode(text)) > 107:
+        raise ConfigError(f"{key} = {_show(value)}: longer than 107 bytes (unix(7) sun_path)")
+    return text
+
+
+def _gpu(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(
+            f'{key} = {_show(value)}: expected a string: an index ("0"), a UUID ("GPU-...") '
+            'or a PCI bus id ("00000000:00:1E.0")'
+        )
+    try:
+        gpu_kind(value)
+    except ValueError:
+        raise ConfigError(
+            f'{key} = {_show(value)}: expected one GPU as an index ("0"), a UUID '
+            '("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx") or a PCI bus id ("00000000:00:1E.0")'
+        ) from None
+    return value
+
+
+def _int(low: int, high: int) -> Callable[[str, Any], int]:
+    def check(key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {_show(value)}: expected an integer")
+        if not low <= value <= high:
+            raise ConfigError(f"{key} = {_show(value)}: must be between {low} and {high}")
+        return value
+
+    return check
+
+
+def _float(low: float, high: float, *, low_open: bool = False) -> Callable[[str, Any], float]:
+    def check(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} = {_show(value)}: expected a number")
+        number = float(value)
+        too_low = number <= low if low_open else number < low
+        if not math.isfinite(number) or too_low or number > high:
+            bound = f"more than {low}" if low_open else f"at least {low}"
+            raise ConfigError(f"{key} = {_show(value)}: must be {bound} and at most {high}")
+        return number
+
+    return check
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} = {_show(value)}: expected true or false")
+    return value
+
+
+def _program(key: str, value: Any) -> tuple[str, ...]:
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(item, str) and item for item in value)
+    ):
+        raise ConfigError(f"{key} = {_show(value)}: expected a non-empty list of non-empty strings")
+    return tuple(value)
+
+
+def _option_name(arg: str) -> str:
+    """The option an argv item sets, as vLLM's parser sees it (``--a_b=x`` -> ``--a-b``).
+
+    vLLM's FlexibleArgumentParser accepts underscores in option names and treats them as dashes.
+    """
+    return arg.split("=", 1)[0].replace("_", "-")
+
+
+def _extra_args(key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        # Not echoed: the list could hold a secret.
+        raise ConfigError(f"{key}: expected a list of strings")
+    for item in value:
+        if not item.startswith("--"):
+            continue
+        option = _option_name(item)
+        # argparse accepts unambiguous prefixes, so "--api-k" is "--api-key" too.
+        if len(option) > len("--api-") and "--api-key".startswith(option):
+            raise ConfigError(
+                f"{key}: --api-key is refused: an API key on the command line is visible in ps "
+                "and unit files, and the engine listens only on its Unix socket (the gateway "
+                "checks keys)"
+            )
+        if option in MANAGED_FLAGS:
+            raise ConfigError(
+                f"{key}: {option} is set by the launcher; use {MANAGED_FLAGS[option]} instead"
+            )
+    return tuple(value)
+
+
+def _env(key: str, value: Any) -> Mapping[str, str]:
+    if not isinstance(value, dict):
+        raise ConfigError(f'{key}: expected a table of NAME = "value"')
+    env: dict[str, str] = {}
+    for name, item in value.items():
+        dotted = f"{key}.{name}"
+        if name in FORBIDDEN_ENV:
+            raise ConfigError(f"{dotted} is refused: {FORBIDDEN_ENV[name]}")
+        if not _ENV_NAME_RE.match(name):
+            raise ConfigError(f"{dotted}: not a valid environment variable name")
+        if not isinstance(item, str):
+            raise ConfigError(f"{dotted} = {_show(item)}: expected a string")
+        if "\x00" in item:
+            raise ConfigError(f"{dotted}: contains a NUL byte")
+        env[name] = item
+    return MappingProxyType(env)
+
+
+_Check = Callable[[str, Any], Any]
+
+_ENGINE_KEYS: dict[str, _Check] = {
+    "program": _program,
+    "model_path": _path,
+    "served_model": _name,
+    "socket": _socket,
+    "gpu": _gpu,
+    "max_model_len": _int(1, 1 << 24),
+    "kv_cache_dtype": _name,
+    "gpu_memory_utilization": _float(0.0, 1.0, low_open=True),
+    "max_num_seqs": _int(1, 4096),
+    "reasoning_parser": _name,
+    "tool_call_parser": _name,
+    "attention_backend": _name,
+    "extra_args": _extra_args,
+    "env": _env,
+}
+
+_SUPERVISE_KEYS: dict[str, _Check] = {
+    "start_timeout_s": _float(0.0, 86_400.0, low_open=True),
+    "health_interval_s": _float(0.01, 3600.0),
+    "probe_timeout_s": _float(0.01, 3600.0),
+    "unhealthy_after_s": _float(0.01, 86_400.0),
+    "stop_grace_s": _float(0.0, 3600.0),
+    "warmup": _bool,
+    "warmup_max_tokens": _int(1, 4096),
+}
+
+_PREFLIGHT_KEYS: dict[str, _Check] = {
+    "min_shm_mib": _int(0, 1 << 30),
+    "min_free_disk_mib": _int(0, 1 << 40),
+    "cache_dir": _string,
+}
+
+_SECTIONS: dict[str, tuple[type, dict[str, _Check]]] = {
+    "engine": (EngineConfig, _ENGINE_KEYS),
+    "supervise": (SuperviseConfig, _SUPERVISE_KEYS),
+    "preflight": (PreflightConfig, _PREFLIGHT_KEYS),
+}
+
+
+def _section(name: str, table: Any) -> Any:
+    cls, checks = _SECTIONS[name]
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{name}]: expected a table")
+    values = {}
+    for key, value in table.items():
+        check = checks.get(key)
+        if check is None:
+            raise ConfigError(f"unknown key {name}.{key} (known: {', '.join(sorted(checks))})")
+        values[key] = check(f"{name}.{key}", value)
+    return cls(**values)
+
+
+def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settings:
+    """Build `Settings` from a parsed TOML document.
+
+    Raises:
+        ConfigError: unknown section or key, wrong type, out-of-range value, a refused flag or
+            environment variable, or ``supervise.unhealthy_after_s`` below ``health_interval_s``.
+    """
+    sections: dict[str, Any] = {}
+    for name, table in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"unknown section [{name}] (known: {', '.join(_SECTIONS)})")
+        sections[name] = _section(name, table)
+    settings = Settings(**sections, source=source)
+    supervise = settings.supervise
+    if supervise.unhealthy_after_s < supervise.health_interval_s:
+        raise ConfigError(
+            f"supervise.unhealthy_after_s = {_show(supervise.unhealthy_after_s)}: must be at least "
+            f"supervise.health_interval_s ({_show(supervise.health_interval_s)})"
+        )
+    return settings
+
+
+def config_path(path: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path:
+    """The file to read: ``path``, else ``$QWEN38_ENGINE_CONFIG``, else the default (DESIGN §2)."""
+    return Path(path or environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+
+
+def load_settings(path: str | os.PathLike[str]) -> Settings:
+    """Read and validate one engine.toml; a file that does not exist means all defaults.
+
+    Raises:
+        ConfigError: unreadable file, invalid TOML, or anything `parse_settings` rejects; the
+            message starts with the file name.
+    """
+    chosen = Path(path)
+    try:
+        raw = chosen.read_bytes()
+    except FileNotFoundError:
+        return Settings(source=None)
+    except OSError as exc:
+        raise ConfigError(f"{chosen}: cannot read ({exc.strerror})") from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{chosen}: not valid TOML: {exc}") from exc
+    try:
+        return parse_settings(data, source=str(chosen))
+    except ConfigError as exc:
+        raise ConfigError(f"{chosen}: {exc}") from exc
