@@ -7,7 +7,6 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 
@@ -31,11 +30,6 @@ HEADER_NAMES = (
     "x-ratelimit-remaining-tokens",
     "x-ratelimit-reset-tokens",
 )
-
-# Chat templates wrap every message in role markers (Qwen: ``<|im_start|>role\n ... <|im_end|>\n``,
-# about five tokens); counted per message on top of the text.
-_TOKENS_PER_MESSAGE = 5
-_BYTES_PER_TOKEN = 3
 
 
 def format_reset(seconds: float) -> str:
@@ -367,64 +361,3 @@ def create_rate_limiter(
         return RedisRateLimiter(settings, metrics, clock=clock)
     metrics.ratelimit_backend_up.labels("memory").set(1)
     return MemoryRateLimiter(settings, metrics, clock=clock)
-
-
-def _text_bytes(value: Any) -> int:
-    """UTF-8 bytes of every string inside ``value`` (strings, lists and dicts, recursively)."""
-    if isinstance(value, str):
-        return len(value.encode("utf-8", "surrogatepass"))
-    if isinstance(value, list):
-        return sum(_text_bytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_text_bytes(v) for k, v in value.items() if k not in ("image_url", "type"))
-    return 0
-
-
-def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
-    """An upper estimate of the prompt tokens of a chat or completions body, without a tokenizer.
-
-    Rule: ceil(UTF-8 bytes of the text / 3), plus 5 per chat message for the template's role
-    markers. Text is every string in ``messages`` (content, text parts, tool calls, names;
-    image parts are not counted), in ``tools``, and in ``prompt``; a ``prompt`` given as token ids
-    counts one per id. Qwen's BPE averages about 4 bytes a token for English and 3 for CJK, so
-    bytes / 3 over-estimates on purpose: the difference is refunded at `RateLimiter.settle`.
-    """
-    total_bytes = 0
-    tokens = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        total_bytes += _text_bytes(messages)
-        tokens += _TOKENS_PER_MESSAGE * len(messages)
-    total_bytes += _text_bytes(body.get("tools"))
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        total_bytes += _text_bytes(prompt)
-    elif isinstance(prompt, list):
-        for item in prompt:
-            if isinstance(item, int):
-                tokens += 1
-            elif isinstance(item, list):
-                tokens += len(item)
-            else:
-                total_bytes += _text_bytes(item)
-    return tokens + math.ceil(total_bytes / _BYTES_PER_TOKEN)
-
-
-def reservation_tokens(body: Mapping[str, Any], tenant: TenantSettings) -> int:
-    """Tokens to reserve for a request: prompt estimate plus output budget, times ``n``.
-
-    Output budget: ``max_completion_tokens``, else ``max_tokens``, else ``tenant.max_tokens``
-    (issue 4). A completions ``prompt`` list yields ``n`` choices per prompt (OpenAI API reference),
-    so the budget is multiplied by the number of prompts too.
-    """
-    budget = body.get("max_completion_tokens")
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-        budget = body.get("max_tokens")
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-        budget = tenant.max_tokens
-    n = body.get("n")
-    choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        choices *= len(prompt)
-    return estimate_prompt_tokens(body) + budget * choices

@@ -22,10 +22,9 @@ from gateway.ratelimit import MemoryRateLimiter, RateLimiter, Reservation, limit
 
 log = structlog.get_logger(__name__)
 
-LEASE_TTL_S = 30
-"""Life of a concurrency lease in Redis: a replica that dies frees its tenants' slots by then."""
-LEASE_RENEW_S = 10.0
-"""How often a replica extends the leases of its running requests (a third of `LEASE_TTL_S`)."""
+LEASE_TTL_S = 30.0
+"""Life of a concurrency lease in Redis: a replica that dies frees its tenants' slots by then.
+Each replica renews its running requests' leases every third of it."""
 RECONNECT_S = 1.0
 """How often an unreachable Redis is probed while local limits are in force."""
 
@@ -88,7 +87,7 @@ if name ~= '' then return {name, fmt(worst), fmt(req), fmt(tok)} end
 store(KEYS[1], req + 1, rpm)
 store(KEYS[2], tok + cost, tpm)
 redis.call('ZADD', KEYS[3], now + ttl, ARGV[5])
-redis.call('EXPIRE', KEYS[3], ttl + 1)
+redis.call('PEXPIRE', KEYS[3], math.ceil(ttl * 1000) + 1000)
 return {'', '0', fmt(req + 1), fmt(tok + cost)}
 """
 )
@@ -121,7 +120,7 @@ _RENEW = (
     + """
 local ttl = tonumber(ARGV[1])
 for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[i]) end
-redis.call('EXPIRE', KEYS[1], ttl + 1)
+redis.call('PEXPIRE', KEYS[1], math.ceil(ttl * 1000) + 1000)
 return 1
 """
 )
@@ -138,9 +137,9 @@ class RedisRateLimiter(RateLimiter):
     Each call is one atomic Lua script (`redis.asyncio.Redis.register_script`) on keys
     ``{key_prefix}:rl:{TENANT}:req|tok|lease`` (the tenant in braces keeps a tenant's keys in one
     Redis Cluster slot). Buckets behave exactly as in `MemoryRateLimiter`, timed by the Redis
-    server's clock. Concurrency slots are leases in a sorted set that expire after `LEASE_TTL_S`
-    unless renewed; this replica renews its running requests' leases every `LEASE_RENEW_S`, so a
-    crashed replica cannot hold slots for more than `LEASE_TTL_S`.
+    server's clock. Concurrency slots are leases in a sorted set that expire after ``lease_ttl_s``
+    (default `LEASE_TTL_S`) unless renewed; this replica renews its running requests' leases every
+    third of it, so a crashed replica cannot hold slots for longer.
 
     If Redis fails (connection, timeout, error reply), calls fall back to a local
     `MemoryRateLimiter` at once and never raise; ``ratelimit_backend_down`` is logged once per
@@ -152,10 +151,16 @@ class RedisRateLimiter(RateLimiter):
     backend = "redis"
 
     def __init__(
-        self, settings: Settings, metrics: Metrics, *, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        lease_ttl_s: float = LEASE_TTL_S,
     ) -> None:
         super().__init__(settings, metrics)
         cfg = settings.ratelimit
+        self._lease_ttl_s = lease_ttl_s
         self._prefix = cfg.key_prefix
         # One quick retry replaces a pooled connection that died with a restarted Redis; anything
         # more would make a request wait on a Redis that is down.
@@ -211,7 +216,7 @@ class RedisRateLimiter(RateLimiter):
         if self._up:
             req_key, tok_key, lease_key = self._keys(tenant.name)
             lease = f"{self._replica}:{next(self._lease_ids)}"
-            args = (tenant.rpm, tenant.tpm, tenant.concurrency, tokens, lease, LEASE_TTL_S)
+            args = (tenant.rpm, tenant.tpm, tenant.concurrency, tokens, lease, self._lease_ttl_s)
             try:
                 reply = await self._reserve(keys=(req_key, tok_key, lease_key), args=args)
             except asyncio.CancelledError:
@@ -310,7 +315,7 @@ class RedisRateLimiter(RateLimiter):
     async def _maintain(self) -> None:
         """Renew this replica's leases while Redis is up; probe it while it is down."""
         while True:
-            await asyncio.sleep(LEASE_RENEW_S if self._up else RECONNECT_S)
+            await asyncio.sleep(self._lease_ttl_s / 3 if self._up else RECONNECT_S)
             try:
                 if self._up:
                     await self._renew_leases()
@@ -328,7 +333,7 @@ class RedisRateLimiter(RateLimiter):
         for lease, key in self._leases.items():
             by_key.setdefault(key, []).append(lease)
         for key, leases in by_key.items():
-            await self._renew(keys=(key,), args=(LEASE_TTL_S, *leases))
+            await self._renew(keys=(key,), args=(self._lease_ttl_s, *leases))
 
     def _mark_down(self, exc: BaseException) -> None:
         if self._known and not self._up:
