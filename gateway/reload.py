@@ -170,7 +170,7 @@ class Reloader:
                 return self._failed(trigger, [str(exc)])
             try:
                 self._on_reload(settings, keys)
-            except Exception as exc:  # noqa: BLE001 - any failure to apply keeps the old state
+            except Exception as exc:  # any failure to apply keeps the old state
                 return self._failed(trigger, [f"applying the reload failed: {type(exc).__name__}"])
             self._current = settings
             if signatures[0] is not None:

@@ -258,7 +258,7 @@ def test_concurrent_updates_lose_nothing(tmp_path: Path) -> None:
         try:
             secret = f"sk-q38-concurrent-writer-{index:04d}"
             update_keys_file(path, lambda raw, _k: append_line(raw, f"k{index}=acme:{secret}"))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=add, args=(i,)) for i in range(12)]
