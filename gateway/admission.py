@@ -43,6 +43,7 @@ class Ticket:
         "cost",
         "enqueued_at",
         "granted_at",
+        "behind_own",
         "label",
         "tag",
         "tenant",
@@ -66,6 +67,7 @@ class Ticket:
         self.weight = weight
         self.cost = cost
         self.tag = 0.0
+        self.behind_own = False
         self.enqueued_at = enqueued_at
         self.granted_at: float | None = None
 
@@ -92,7 +94,8 @@ class Ticket:
 
         Raises:
             RateLimited: ``queue``, when ``engine.queue_timeout_s`` since `AdmissionQueue.enqueue`
-                passed and this tenant holds at least its weighted share of the queue.
+                passed and this request queued behind its own tenant's earlier waiters, at least
+                two and at least the tenant's weighted share of the queue then.
             EngineUnavailable: the same timeout otherwise (the engine is saturated overall).
             RuntimeError: the ticket was already released.
             asyncio.CancelledError: passed on, after giving the place (or slot) back.
@@ -117,7 +120,9 @@ class Ticket:
                     if left <= 0:
                         return False
                     timeout = min(timeout, left)
-                await asyncio.wait((future, queue.changed()), timeout=timeout)
+                await asyncio.wait(
+                    (future, queue.changed()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
                 if future.done():
                     return True
         except asyncio.CancelledError:
@@ -173,8 +178,9 @@ class AdmissionQueue:
         self._seq = itertools.count()
         self._vtime = 0.0
         self._last_tag: dict[str, float] = {}
-        # tenant -> [tickets waiting, weight]; only tenants with waiters.
+        # tenant -> [tickets waiting, weight]; only tenants with waiters; and their total weight.
         self._waiting: dict[str, list[float]] = {}
+        self._total_weight = 0.0
         self._service_s: float | None = None
         self._changed: asyncio.Future[None] | None = None
         metrics.queue_depth.set(0)
@@ -224,17 +230,28 @@ class AdmissionQueue:
             return ticket
         if self._depth >= self.queue_size:
             ticket._state = _State.DONE
-            raise self._refusal(ticket, f"The queue is full ({self.queue_size} requests waiting)")
+            entry = self._waiting.get(tenant)
+            held = int(entry[0]) if entry is not None else 0
+            others = self._total_weight - (entry[1] if entry is not None else 0.0)
+            at_share = held > 0 and held >= self.queue_size * weight / (others + weight)
+            raise self._refusal(
+                ticket, f"The queue is full ({self.queue_size} requests waiting)", at_share
+            )
         ticket.tag = max(self._vtime, self._last_tag.get(tenant, 0.0)) + cost / weight
         self._last_tag[tenant] = ticket.tag
         ticket._future = asyncio.get_running_loop().create_future()
         entry = self._waiting.get(tenant)
         if entry is None:
-            self._waiting[tenant] = [1, weight]
-        else:
-            entry[0] += 1
+            entry = self._waiting[tenant] = [0, weight]
+            self._total_weight += weight
+        elif entry[1] != weight:
+            self._total_weight += weight - entry[1]
             entry[1] = weight
+        entry[0] += 1
         self._depth += 1
+        # Waiting behind its own tenant's backlog of at least its weighted share of the queue:
+        # if this request times out, that backlog is the cause (429), not the engine (503).
+        ticket.behind_own = entry[0] >= 2 and entry[0] >= self._depth * weight / self._total_weight
         heapq.heappush(self._heap, (ticket.tag, next(self._seq), ticket))
         self._metrics.queue_depth.set(self._depth)
         return ticket
@@ -262,7 +279,9 @@ class AdmissionQueue:
     def expire(self, ticket: Ticket) -> RateLimited | EngineUnavailable:
         """Remove a waiter whose ``queue_timeout_s`` passed; the error to raise for it."""
         error = self._refusal(
-            ticket, f"Waited {self.queue_timeout_s:g} s in the queue for the engine"
+            ticket,
+            f"Waited {self.queue_timeout_s:g} s in the queue for the engine",
+            ticket.behind_own,
         )
         ticket.release()
         return error
@@ -271,11 +290,7 @@ class AdmissionQueue:
         """Drop a waiter that left (released, cancelled or timed out) from the queue."""
         if ticket._future is not None and not ticket._future.done():
             ticket._future.cancel()
-        entry = self._waiting[ticket.tenant]
-        entry[0] -= 1
-        if entry[0] <= 0:
-            del self._waiting[ticket.tenant]
-        self._depth -= 1
+        self._leave(ticket)
         self._metrics.queue_depth.set(self._depth)
         if self._depth == 0:
             self._idle()
@@ -305,11 +320,7 @@ class AdmissionQueue:
             if ticket._state is not _State.WAITING:
                 continue
             self._vtime = tag
-            entry = self._waiting[ticket.tenant]
-            entry[0] -= 1
-            if entry[0] <= 0:
-                del self._waiting[ticket.tenant]
-            self._depth -= 1
+            self._leave(ticket)
             self._grant(ticket, self.clock())
             assert ticket._future is not None
             ticket._future.set_result(None)
@@ -317,27 +328,40 @@ class AdmissionQueue:
         if self._depth == 0:
             self._idle()
 
+    def _leave(self, ticket: Ticket) -> None:
+        """Take a waiting ticket out of the per-tenant counts."""
+        entry = self._waiting[ticket.tenant]
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del self._waiting[ticket.tenant]
+            self._total_weight -= entry[1]
+        self._depth -= 1
+
     def _idle(self) -> None:
         """Nobody waits: the next busy period starts at virtual time 0 (tags only order waiters)."""
+        self._total_weight = 0.0
         self._heap.clear()
         self._vtime = 0.0
         self._last_tag.clear()
 
-    def _refusal(self, ticket: Ticket, what: str) -> RateLimited | EngineUnavailable:
-        """429 ``queue`` if the ticket's tenant holds its weighted share of the queue, else 503."""
-        entry = self._waiting.get(ticket.tenant)
-        held = int(entry[0]) if entry is not None else 0
-        total_weight = sum(w for _, w in self._waiting.values())
-        if entry is None:
-            total_weight += ticket.weight
-        share = self.queue_size * ticket.weight / total_weight
+    def _refusal(
+        self, ticket: Ticket, what: str, at_share: bool
+    ) -> RateLimited | EngineUnavailable:
+        """429 ``queue`` if the tenant is ``at_share`` of the queue, else 503 (engine saturated).
+
+        Retry-After: the expected time until the engine finishes one request (1 / `drain_rate`);
+        for a 429, until it finishes one of this tenant's, which get ``weight / total weight`` of
+        the engine while others wait.
+        """
         per_request = 1.0 / self.drain_rate
-        if held > 0 and held >= share:
+        if at_share:
             self._metrics.rate_limited.labels(ticket.label, "queue").inc()
-            wait = per_request * total_weight / ticket.weight
+            entry = self._waiting.get(ticket.tenant)
+            others = self._total_weight - (entry[1] if entry is not None else 0.0)
+            wait = per_request * (others + ticket.weight) / ticket.weight
             return RateLimited(
                 "queue",
-                f"{what}; this tenant already has {held} of them, its share under its weight. "
+                f"{what}; this tenant holds at least its weighted share of the queue. "
                 f"Retry in about {retry_after_header(wait)} s.",
                 wait,
             )
