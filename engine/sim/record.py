@@ -1,0 +1,53 @@
+"""The `--record` file: one JSON line per request received, written when the request ends.
+
+A line is ``{"method", "path", "headers", "body", "outcome", "tokens_sent", "status"}``:
+`headers` as received (Authorization included: the file is test evidence of what reached the
+engine, keep it private), `body` the parsed JSON or null, `outcome` one of `finished`,
+`aborted` (the client went away) or `error` (an error status, an in-stream error or a fault
+that cut the answer), `tokens_sent` the generated tokens written to the client, `status` the
+HTTP status sent or 0 when none was.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import IO, Any, Literal
+
+Outcome = Literal["finished", "aborted", "error"]
+
+
+@dataclass
+class Trace:
+    """What happened to one request, filled in by the handler as it goes."""
+
+    outcome: Outcome | None = None
+    tokens_sent: int = 0
+    status: int | None = None
+
+
+class Recorder:
+    """Appends lines to the record file and flushes each one, so readers see it at once."""
+
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def write(
+        self, *, method: str, path: str, headers: dict[str, str], body: Any, trace: Trace
+    ) -> None:
+        """Append the line of one finished request."""
+        line = {
+            "method": method,
+            "path": path,
+            "headers": headers,
+            "body": body,
+            "outcome": trace.outcome,
+            "tokens_sent": trace.tokens_sent,
+            "status": trace.status if trace.status is not None else 0,
+        }
+        self._file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
