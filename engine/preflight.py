@@ -795,14 +795,21 @@ def _disk_check(
     configured: str, minimum_mib: int, env: Mapping[str, str], probes: Probes
 ) -> CheckResult:
     cache = _cache_dir(configured, env)
-    existing = Path(cache)
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    try:
-        _total, free = probes.disk_usage(str(existing))
-    except OSError as exc:
+    # A cache directory created on first use lives on its nearest existing ancestor's file system.
+    path = Path(cache)
+    for candidate in (path, *path.parents):
+        try:
+            _total, free = probes.disk_usage(str(candidate))
+            break
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return CheckResult(
+                "FAIL", "cache_disk", f"cannot stat {candidate}: {exc}", "set preflight.cache_dir"
+            )
+    else:
         return CheckResult(
-            "FAIL", "cache_disk", f"cannot stat {existing}: {exc}", "set preflight.cache_dir"
+            "FAIL", "cache_disk", f"no file system holds {cache}", "set preflight.cache_dir"
         )
     free_mib = free // 2**20
     text = f"{free_mib} MiB free for caches at {cache}"
