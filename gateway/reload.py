@@ -36,11 +36,12 @@ Signature = tuple[int, int, int, int, int]
 def file_signature(path: str) -> Signature | None:
     """``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of ``path``, None when absent.
 
-    A rename over the file changes the inode; an in-place edit changes size or times.
+    A rename over the file changes the inode; an in-place edit changes size or times. A path that
+    cannot be stat'ed counts as absent; the reload that follows reports why it cannot be read.
     """
     try:
         info = os.stat(path)
-    except FileNotFoundError:
+    except OSError:
         return None
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
