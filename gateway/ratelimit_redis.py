@@ -313,15 +313,18 @@ class RedisRateLimiter(RateLimiter):
             self._task = asyncio.get_running_loop().create_task(self._maintain())
 
     async def _maintain(self) -> None:
-        """Renew this replica's leases while Redis is up; probe it while it is down."""
+        """Probe Redis every `RECONNECT_S` while it is down; renew leases every third of the TTL."""
+        loop = asyncio.get_running_loop()
+        renew_at = loop.time() + self._lease_ttl_s / 3
         while True:
-            await asyncio.sleep(self._lease_ttl_s / 3 if self._up else RECONNECT_S)
+            await asyncio.sleep(min(RECONNECT_S, self._lease_ttl_s / 3))
             try:
-                if self._up:
-                    await self._renew_leases()
-                else:
+                if not self._up:
                     await self._client.ping()
                     self._mark_up()
+                    renew_at = 0.0
+                if loop.time() >= renew_at:
+                    renew_at = loop.time() + self._lease_ttl_s / 3
                     await self._renew_leases()
             except _BACKEND_ERRORS as exc:
                 self._mark_down(exc)
