@@ -27,7 +27,6 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
@@ -442,6 +441,26 @@ def mode_problem(mode: int, path: str) -> str | None:
     return None
 
 
+def read_keys_bytes(path: str, *, check_mode: bool = True) -> bytes:
+    """The raw bytes of the keys file after the mode and file-type checks.
+
+    Raises:
+        KeysFileError: missing, unreadable, not a regular file, or (``check_mode``) group/other bits.
+    """
+    try:
+        with open(path, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if check_mode and (problem := mode_problem(info.st_mode, path)) is not None:
+                raise KeysFileError([problem])
+            if not stat.S_ISREG(info.st_mode):
+                raise KeysFileError([f"{path}: not a regular file"])
+            return handle.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise KeysFileError([f"{path}: no such file"]) from None
+    except OSError as exc:
+        raise KeysFileError([f"{path}: cannot read ({exc.strerror})"]) from None
+
+
 def load_keys_file(path: str | os.PathLike[str], *, check_mode: bool = True) -> KeySet:
     """Read, check and parse the keys file.
 
@@ -453,19 +472,7 @@ def load_keys_file(path: str | os.PathLike[str], *, check_mode: bool = True) -> 
         KeysFileError: missing or unreadable file, bad mode, or parse problems (each with its line).
     """
     source = os.fspath(path)
-    try:
-        with open(source, "rb") as handle:
-            info = os.fstat(handle.fileno())
-            if check_mode and (problem := mode_problem(info.st_mode, source)) is not None:
-                raise KeysFileError([problem])
-            if not stat.S_ISREG(info.st_mode):
-                raise KeysFileError([f"{source}: not a regular file"])
-            raw = handle.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise KeysFileError([f"{source}: no such file"]) from None
-    except OSError as exc:
-        raise KeysFileError([f"{source}: cannot read ({exc.strerror})"]) from None
-    return parse_keys(raw, source)
+    return parse_keys(read_keys_bytes(source, check_mode=check_mode), source)
 
 
 def check_keys_file(path: str | os.PathLike[str]) -> list[str]:
@@ -554,9 +561,8 @@ def update_keys_file(
     """
     target = os.fspath(path)
     with _locked(target, create):
-        current = load_keys_file(target)
-        raw = Path(target).read_bytes()
-        new_raw = change(raw, current)
+        raw = read_keys_bytes(target)
+        new_raw = change(raw, parse_keys(raw, target))
         updated = parse_keys(new_raw, target)
         write_atomically(target, new_raw, owner_of=os.stat(target))
     return updated
