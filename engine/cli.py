@@ -83,7 +83,13 @@ def _run_sim(argv: Sequence[str]) -> int:
         description="The engine simulator: the 1Cat-vLLM wire protocol on a Unix socket.",
     )
     sim.add_arguments(parser)
-    return int(sim.run(parser.parse_args(list(argv))))
+    # Like `python -m engine.sim`: vLLM flags it does not know are accepted, with a warning, so
+    # any engine.toml runs against it.
+    args, unknown = parser.parse_known_args(list(argv))
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]
+    if flags:
+        print(f"qwen38-engine sim: ignoring unknown flags {' '.join(flags)}", file=sys.stderr)
+    return int(sim.run(args))
 
 
 def _load(path_arg: str | None, environ: Mapping[str, str]) -> tuple[Settings, str]:
