@@ -458,10 +458,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     Raises:
         PayloadTooLarge: ``Content-Length`` or the bytes received exceed ``limit``.
     """
-    too_large = PayloadTooLarge(
-        f"Request body too large: the limit is {limit} bytes.",
-        headers={"Connection": "close"},
-    )
+    too_large = PayloadTooLarge(f"Request body too large: the limit is {limit} bytes.")
     if request.content_length is not None and request.content_length > limit:
         raise too_large
     chunks: list[bytes] = []
