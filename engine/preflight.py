@@ -318,7 +318,7 @@ def config_check(path: str, settings: Settings) -> CheckResult:
         "WARN",
         "config",
         f"{path} not found; built-in defaults in use",
-        f"write {path} (see deploy/engine.toml) or pass --config PATH",
+        f"write {path} (example: deploy/etc/engine.toml) or pass --config PATH",
     )
 
 

@@ -41,11 +41,6 @@ class SystemdNotifier:
             self._address = "\0" + address[1:] if address[0] == "@" else address
             self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
 
-    @property
-    def enabled(self) -> bool:
-        """True when there is a socket to notify."""
-        return self._socket is not None
-
     def notify(self, *assignments: str) -> None:
         """Send ``assignments`` (``"READY=1"``, ``"STATUS=text"``) as one newline-joined datagram.
 
