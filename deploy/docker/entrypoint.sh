@@ -16,6 +16,13 @@ for dir in "${HOME:-}" "${XDG_CACHE_HOME:-}" "${TRITON_CACHE_DIR:-}" \
     fi
 done
 
+# The HEALTHCHECK reads the role to know what to probe; a read-only /tmp only costs the probe.
+record_role() {
+    if ! printf '%s\n' "$1" 2>/dev/null >"$role_file"; then
+        printf 'qwen38-entrypoint: cannot write %s; the HEALTHCHECK will not probe\n' "$role_file" >&2
+    fi
+}
+
 if [[ $# -eq 0 ]]; then
     set -- gateway
 fi
@@ -23,12 +30,12 @@ fi
 case $1 in
 engine)
     shift
-    printf 'engine\n' >"$role_file"
+    record_role engine
     exec qwen38-engine serve "$@"
     ;;
 gateway)
     shift
-    printf 'gateway\n' >"$role_file"
+    record_role gateway
     exec qwen38-gateway serve "$@"
     ;;
 *)
