@@ -591,6 +591,11 @@ async def _error_middleware(
     return response
 
 
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    # vLLM runs under uvicorn, which names itself in every response
+    response.headers["Server"] = "uvicorn"
+
+
 async def _add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
     # --enable-request-id-headers: the client's X-Request-Id, else a new one
     response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -621,6 +626,7 @@ def build_app(options: SimOptions) -> web.Application:
             recorder.close()
 
         app.on_cleanup.append(close_recorder)
+    app.on_response_prepare.append(_server_header)
     if options.enable_request_id_headers:
         app.on_response_prepare.append(_add_request_id_header)
     router = app.router

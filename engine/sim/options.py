@@ -143,6 +143,14 @@ class _Spec:
     minimum: float | None
     help: str
 
+    def parse(self, text: str) -> object:
+        """Convert and check a command-line value (argparse `type`)."""
+        try:
+            return self.check(self.kind(text))
+        except ValueError as exc:
+            flag = "--" + self.name.replace("_", "-")
+            raise argparse.ArgumentTypeError(str(exc).replace(f"sim.{self.name}", flag)) from None
+
     def check(self, value: object) -> object:
         if value is None and self.optional:
             return None
@@ -375,7 +383,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             sim.add_argument(flag, action="store_true", help=spec.help)
         else:
             sim.add_argument(
-                flag, type=spec.kind, choices=spec.choices, default=default, help=spec.help
+                flag, type=spec.parse, choices=spec.choices, default=default, help=spec.help
             )
     ignored = parser.add_argument_group("vLLM flags accepted and ignored")
     for flag, kwargs in _IGNORED_VALUE_FLAGS:

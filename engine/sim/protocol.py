@@ -100,12 +100,41 @@ _TYPE_ERRORS = {
 }
 
 
+# pydantic's lax mode (what vLLM's request models use) also takes these spellings of a boolean.
+_LAX_BOOLS = {
+    "true": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
+    "false": False, "f": False, "no": False, "n": False, "off": False, "0": False,
+}  # fmt: skip
+
+
+def _lax(value: object, kind: type) -> object:
+    """`value` as pydantic's lax mode converts it to `kind`, or None when it would not."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        return _LAX_BOOLS.get(value.strip().lower()) if isinstance(value, str) else None
+    if kind is int:
+        if isinstance(value, bool):
+            return None
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)
+        return None
+    return value if isinstance(value, kind) else None
+
+
 def _field(body: Mapping[str, Any], name: str, kind: type) -> Any:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return value
+    converted = _lax(value, kind)
+    if converted is not None:
+        return converted
     error_type, msg = _TYPE_ERRORS[kind]
     raise validation_error({"type": error_type, "loc": ("body", name), "msg": msg, "input": value})
 
