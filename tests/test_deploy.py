@@ -198,6 +198,8 @@ def test_dockerfile_builds_the_documented_image() -> None:
     for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "HF_HOME"):
         assert re.search(rf"\b{variable}=/var/cache/qwen38/", text), variable
     assert 'VOLUME ["/var/cache/qwen38"]' in lines
+    # Any --user id must reach the engine.toml the engine unit mounts into /etc/qwen38.
+    assert "install -d -m 0755 /etc/qwen38" in text
     (user,) = [line for line in lines if line.startswith("USER ")]
     assert user.split()[1] not in ("root", "0", "0:0")
     entrypoints = [line for line in lines if line.startswith("ENTRYPOINT ")]
