@@ -75,7 +75,7 @@ if live; then
     docker image inspect "$image" >/dev/null 2>&1 ||
         die "image ${image} not found: build it first (docker build -f deploy/docker/Dockerfile -t ${image} ...)"
     if [[ ! -f $units_env && -z $gpu ]] && command -v nvidia-smi >/dev/null; then
-        gpu=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | head -n 1)
+        gpu=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | sed -n 1p)
         [[ -z $gpu ]] || say "GPU ${gpu} (the first one nvidia-smi lists; set QWEN38_GPU to choose)"
     fi
     if [[ ! -f $units_env && -z $gpu ]]; then
