@@ -113,7 +113,7 @@ class Ticket:
                 now = queue.clock()
                 remaining = self.enqueued_at + queue.queue_timeout_s - now
                 if remaining <= 0:
-                    raise queue.expire(self)
+                    raise queue._expire(self)
                 timeout = remaining
                 if max_wait is not None:
                     left = start + max_wait - now
@@ -121,7 +121,9 @@ class Ticket:
                         return False
                     timeout = min(timeout, left)
                 await asyncio.wait(
-                    (future, queue.changed()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                    (future, queue._reloaded()),
+                    timeout=timeout,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 if future.done():
                     return True
@@ -134,9 +136,9 @@ class Ticket:
         state = self._state
         self._state = _State.DONE
         if state is _State.WAITING:
-            self._queue.forget(self)
+            self._queue._forget(self)
         elif state is _State.GRANTED:
-            self._queue.finish(self)
+            self._queue._finish(self)
 
 
 class AdmissionQueue:
@@ -182,7 +184,7 @@ class AdmissionQueue:
         self._waiting: dict[str, list[float]] = {}
         self._total_weight = 0.0
         self._service_s: float | None = None
-        self._changed: asyncio.Future[None] | None = None
+        self._reload_future: asyncio.Future[None] | None = None
         metrics.queue_depth.set(0)
 
     @property
@@ -265,18 +267,18 @@ class AdmissionQueue:
         self.max_concurrency = max_concurrency
         self.queue_size = queue_size
         self.queue_timeout_s = queue_timeout_s
-        if self._changed is not None and not self._changed.done():
-            self._changed.set_result(None)
-        self._changed = None
+        if self._reload_future is not None and not self._reload_future.done():
+            self._reload_future.set_result(None)
+        self._reload_future = None
         self._dispatch()
 
-    def changed(self) -> asyncio.Future[None]:
+    def _reloaded(self) -> asyncio.Future[None]:
         """A future resolved at the next `reconfigure` (waiters recompute their deadlines)."""
-        if self._changed is None:
-            self._changed = asyncio.get_running_loop().create_future()
-        return self._changed
+        if self._reload_future is None:
+            self._reload_future = asyncio.get_running_loop().create_future()
+        return self._reload_future
 
-    def expire(self, ticket: Ticket) -> RateLimited | EngineUnavailable:
+    def _expire(self, ticket: Ticket) -> RateLimited | EngineUnavailable:
         """Remove a waiter whose ``queue_timeout_s`` passed; the error to raise for it."""
         error = self._refusal(
             ticket,
@@ -286,7 +288,7 @@ class AdmissionQueue:
         ticket.release()
         return error
 
-    def forget(self, ticket: Ticket) -> None:
+    def _forget(self, ticket: Ticket) -> None:
         """Drop a waiter that left (released, cancelled or timed out) from the queue."""
         if ticket._future is not None and not ticket._future.done():
             ticket._future.cancel()
@@ -298,7 +300,7 @@ class AdmissionQueue:
             self._heap = [e for e in self._heap if e[2]._state is _State.WAITING]
             heapq.heapify(self._heap)
 
-    def finish(self, ticket: Ticket) -> None:
+    def _finish(self, ticket: Ticket) -> None:
         """Free a granted ticket's slot, learn its engine time, and grant the next waiter."""
         self._in_flight -= 1
         if ticket.granted_at is not None:

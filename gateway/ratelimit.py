@@ -192,7 +192,7 @@ class RateLimiter(abc.ABC):
     async def close(self) -> None:
         """Stop background work and release connections, at app cleanup; idempotent."""
 
-    def refuse(
+    def _refuse(
         self,
         tenant: TenantSettings,
         limit: str,
@@ -224,7 +224,9 @@ class RateLimiter(abc.ABC):
                 f"Too many requests in flight: limit {tenant.concurrency}. "
                 "Retry when one of them has finished."
             )
-        return RateLimited(limit, message, min(retry_after_s, WINDOW_S), headers)
+        # "Never" cannot be a header value: 60 s, the message says it will not pass as it is.
+        wait = WINDOW_S if math.isinf(retry_after_s) else retry_after_s
+        return RateLimited(limit, message, wait, headers)
 
 
 def check(
@@ -301,7 +303,7 @@ class MemoryRateLimiter(RateLimiter):
         refused = check(tenant, tokens, state.in_flight + held, req, tok)
         if refused is not None:
             headers = limit_headers(tenant.rpm, req, tenant.tpm, tok)
-            raise self.refuse(tenant, refused[0], refused[1], tokens, headers)
+            raise self._refuse(tenant, refused[0], refused[1], tokens, headers)
         state.requests.set(req + 1, now)
         state.tokens.set(tok + tokens, now)
         state.in_flight += 1

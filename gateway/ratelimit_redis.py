@@ -230,7 +230,7 @@ class RedisRateLimiter(RateLimiter):
                 limit, wait, req, tok = (x.decode() for x in reply)
                 headers = limit_headers(tenant.rpm, float(req), tenant.tpm, float(tok))
                 if limit:
-                    raise self.refuse(tenant, limit, _wait_s(wait), tokens, headers)
+                    raise self._refuse(tenant, limit, _wait_s(wait), tokens, headers)
                 self._leases[lease] = lease_key
                 self._held[tenant.name] = self._held.get(tenant.name, 0) + 1
                 return Reservation(

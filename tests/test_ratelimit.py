@@ -330,3 +330,13 @@ async def test_refusals_counted_with_bounded_tenant_label(
     assert get("gateway_rate_limited_total", {"tenant": "default", "limit": "concurrency"}) == 1
     assert get("gateway_rate_limited_total", {"tenant": "acme", "limit": "requests"}) == 2
     assert get("gateway_rate_limited_total", {"tenant": "stranger", "limit": "concurrency"}) is None
+
+
+async def test_retry_after_beyond_a_minute_after_an_overrun(limiter: RateLimiter) -> None:
+    """An overrun far past tpm is paid off honestly: Retry-After may exceed 60 s."""
+    who = tenant(tpm=1000)
+    res = await limiter.reserve(who, 100)
+    await limiter.settle(res, 3000)
+    error = await refused(limiter, who, 100)
+    # 3000 used + 100 asked - 1000 allowed = 2100 tokens to drain at 1000/60 per second.
+    assert error.headers["Retry-After"] == "126"
