@@ -22,7 +22,7 @@ Framing = Literal["lf", "crlf", "cr"]
 ReasoningField = Literal["reasoning", "reasoning_content", "both"]
 Refusal = Literal["503", "close"]
 
-# 1Cat-vLLM replaced upstream's `None` by this dict (commit e64d39aa7; vllm-protocol.md section 1.3).
+# 1Cat-vLLM replaced upstream's `None` by this dict (commit e64d39aa7; vllm-protocol.md 1.3).
 FORK_DEFAULT_CHAT_TEMPLATE_KWARGS: Mapping[str, Any] = MappingProxyType({"enable_thinking": False})
 # DESIGN section 3 and DEPLOYMENT-NOTES: the context length served on the V100.
 DEFAULT_MAX_MODEL_LEN = 254976

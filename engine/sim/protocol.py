@@ -172,7 +172,8 @@ def _stream_flags(body: Mapping[str, Any], options: SimOptions) -> tuple[bool, b
     return stream, include_usage, continuous
 
 
-def _check_model(body: Mapping[str, Any], options: SimOptions) -> None:
+def check_model(body: Mapping[str, Any], options: SimOptions) -> None:
+    """404 NotFoundError unless `model` is absent, empty or a served name (section 7.3)."""
     model = _field(body, "model", str)
     if model and model not in options.served_model_names:
         raise ApiError(404, "NotFoundError", f"The model `{model}` does not exist.", "model")
@@ -281,7 +282,7 @@ def parse_chat(raw: object, options: SimOptions) -> ChatRequest:
     max_completion_tokens = _field(body, "max_completion_tokens", int)
     template_kwargs = _field(body, "chat_template_kwargs", dict)
     effort = _field(body, "reasoning_effort", str)
-    _check_model(body, options)
+    check_model(body, options)
     if not options.trust_request_chat_template and (
         body.get("chat_template") is not None
         or (template_kwargs or {}).get("chat_template") is not None
@@ -347,7 +348,7 @@ def parse_completion(raw: object, options: SimOptions) -> CompletionRequest:
     max_tokens = _field(body, "max_tokens", int)
     if "max_tokens" not in body:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    _check_model(body, options)
+    check_model(body, options)
     budgets = tuple(
         _output_budget(max_tokens, "max_tokens", count, is_text, options.max_model_len)
         for count, is_text in prompts

@@ -1,0 +1,129 @@
+"""The simulator's middlewares: the `--record` line, vLLM's API key check, and error bodies."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+
+from engine.sim.keys import JSON_BODY, KEY_DIGESTS, RECORDER, TRACE
+from engine.sim.protocol import ApiError
+from engine.sim.record import Trace
+from engine.sim.wire import dumps
+
+# vLLM's API key middleware guards only these path prefixes (section 3.2).
+PROTECTED_PREFIXES = ("/v1", "/v2", "/inference")
+
+
+def json_response(
+    value: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    """A compact JSON response, as Starlette's JSONResponse writes it."""
+    return web.Response(
+        body=dumps(value), status=status, content_type="application/json", headers=headers
+    )
+
+
+def _authorized(header: str | None, digests: Sequence[bytes]) -> bool:
+    """vLLM's check: ``Bearer <key>`` (scheme case-insensitive), SHA-256 digests compared in
+    constant time against every configured key."""
+    if not header:
+        return False
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    match = False
+    for expected in digests:
+        match |= hmac.compare_digest(digest, expected)
+    return match
+
+
+def _body_for_record(request: web.Request, raw: bytes) -> Any:
+    parsed = request.get(JSON_BODY)
+    if parsed is not None:
+        return parsed
+    try:
+        return json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+@web.middleware
+async def record_middleware(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    """Outermost: keep the request's `Trace` and write its `--record` line when it ends."""
+    trace = Trace()
+    request[TRACE] = trace
+    recorder = request.app.get(RECORDER)
+    raw = await request.read() if recorder is not None and request.can_read_body else b""
+    try:
+        response: web.StreamResponse = await handler(request)
+    except BaseException:
+        trace.outcome = trace.outcome or "aborted"
+        raise
+    else:
+        if trace.status is None:
+            trace.status = response.status
+        if trace.outcome is None:
+            trace.outcome = "finished" if response.status < 400 else "error"
+        return response
+    finally:
+        if recorder is not None:
+            recorder.write(
+                method=request.method,
+                path=request.raw_path,
+                headers=dict(request.headers),
+                body=_body_for_record(request, raw),
+                trace=trace,
+            )
+
+
+@web.middleware
+async def auth_middleware(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    """vLLM's `--api-key` check: 401 ``{"error":"Unauthorized"}`` on guarded paths only."""
+    digests = request.app[KEY_DIGESTS]
+    if (
+        digests
+        and request.method != "OPTIONS"
+        and request.path.startswith(PROTECTED_PREFIXES)
+        and not _authorized(request.headers.get("Authorization"), digests)
+    ):
+        return json_response({"error": "Unauthorized"}, 401)
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    """ApiError as vLLM's error object; unknown path and method as FastAPI's `detail` bodies."""
+    try:
+        response: web.StreamResponse = await handler(request)
+    except ApiError as exc:
+        return json_response(exc.body(), exc.status)
+    except web.HTTPMethodNotAllowed as exc:
+        allow = ", ".join(sorted(exc.allowed_methods))
+        return json_response({"detail": "Method Not Allowed"}, 405, {"Allow": allow})
+    except web.HTTPNotFound:
+        return json_response({"detail": "Not Found"}, 404)
+    return response
+
+
+async def server_header(request: web.Request, response: web.StreamResponse) -> None:
+    # vLLM runs under uvicorn, which names itself in every response
+    response.headers["Server"] = "uvicorn"
+
+
+async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    # --enable-request-id-headers: the client's X-Request-Id, else a new one
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
