@@ -151,6 +151,9 @@ class SuperviseConfig:
         stop_grace_s: time between SIGTERM and SIGKILL.
         warmup: send one short chat completion before reporting ready.
         warmup_max_tokens: its ``max_tokens``.
+        ready_file: a file created when the engine is ready (after the warm-up) and removed
+            while it is unhealthy and when the launcher exits; the gateway's
+            ``engine.ready_file`` points at it to tell ``warming`` from ``ready``. Empty: none.
     """
 
     start_timeout_s: float = 1800.0
@@ -160,6 +163,7 @@ class SuperviseConfig:
     stop_grace_s: float = 30.0
     warmup: bool = True
     warmup_max_tokens: int = 16
+    ready_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -391,6 +395,7 @@ _SUPERVISE_KEYS: dict[str, _Check] = {
     "stop_grace_s": _float(0.0, 3600.0),
     "warmup": _bool,
     "warmup_max_tokens": _int(1, 4096),
+    "ready_file": _string,
 }
 
 _PREFLIGHT_KEYS: dict[str, _Check] = {

@@ -234,6 +234,7 @@ class Supervisor:
         try:
             if remove_stale_socket(engine.socket):
                 self._log.info("stale_socket_removed", socket=engine.socket)
+            self._mark_ready(False)
             env, dropped = self._launch.environment(self._environ)
             if dropped:
                 self._log.warning("env_dropped", names=list(dropped))
@@ -259,7 +260,24 @@ class Supervisor:
                         return code
                 return await self._guard_final(self._watch(client))
         finally:
+            self._mark_ready(False)
             os.close(lock)
+
+    def _mark_ready(self, ready: bool) -> None:
+        """Create or remove ``supervise.ready_file`` (the gateway's warm-up signal)."""
+        path = self._settings.supervise.ready_file
+        if not path:
+            return
+        try:
+            if ready:
+                with open(path, "w") as handle:
+                    handle.write(f"{self._pid}\n")
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._log.warning("ready_file_failed", path=path, error=exc.strerror)
 
     def _public_env(self) -> Mapping[str, str]:
         """The variables the launcher sets, values shown only for the ``CUDA_*`` ones."""
@@ -343,6 +361,7 @@ class Supervisor:
         warm = "warm" if self._warmup_failures == 0 else "warm-up failed"
         ready_status = f"STATUS=ready: {engine.served_model} on {engine.socket} ({warm})"
         self._notify("READY=1", ready_status)
+        self._mark_ready(True)
         self._log.info(
             "ready",
             pid=self._pid,
@@ -361,6 +380,7 @@ class Supervisor:
                     failing = False
                     self._log.info("recovered", pid=self._pid, after_s=round(now - last_ok, 3))
                     self._notify(ready_status)
+                    self._mark_ready(True)
                 last_ok = now
                 self._notify("WATCHDOG=1")
             else:
@@ -375,6 +395,7 @@ class Supervisor:
                         since_healthy_s=round(silent, 3),
                     )
                     self._notify(f"STATUS=unhealthy: {health.state} ({health.detail})")
+                    self._mark_ready(False)
                 if silent >= supervise.unhealthy_after_s:
                     return (
                         f"no healthy /health answer for {silent:.1f} s (unhealthy_after_s "

@@ -599,7 +599,10 @@ async def _admitted(
         return await _end_with_error(sse, info, exc)
     except ConnectionResetError:
         return _client_gone(request, sse, info)
-    return await _call_engine(request, plan, path, reservation, outcome, sse, tenant)
+    queued_budget = 0.0
+    if ticket.waited_s > 0:
+        queued_budget = max(0.0, settings.engine.queue_timeout_s - ticket.waited_s)
+    return await _call_engine(request, plan, path, reservation, outcome, sse, queued_budget)
 
 
 async def _start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
@@ -640,18 +643,36 @@ async def _call_engine(
     reservation: Reservation,
     outcome: _Outcome,
     sse: web.StreamResponse | None,
-    tenant: TenantSettings,
+    queued_budget: float,
 ) -> web.StreamResponse:
-    """POST to the engine and relay its answer; the engine request is closed on every exit."""
+    """POST to the engine and relay its answer; the engine request is closed on every exit.
+
+    An engine that refuses the connection is marked down at once. A request that had already
+    waited in the queue keeps waiting for the engine's return for the rest of its queue time
+    (``queued_budget`` seconds); a fresh one gets 503 at once.
+    """
     app = request.app
     info: RequestInfo = request["info"]
     client = app[ENGINE]
-    try:
-        upstream = await client.post(path, plan.body, info.request_id)
-    except GatewayError as exc:
-        if sse is None:
-            raise
-        return await _end_with_error(sse, info, exc)
+    state = app[ENGINE_STATE]
+    clock = app[CLOCK]
+    deadline = clock() + queued_budget
+    while True:
+        try:
+            upstream = await client.post(path, plan.body, info.request_id)
+            break
+        except EngineUnavailable as exc:
+            state.set("down", "connection refused")
+            remaining = deadline - clock()
+            if remaining > 0 and await state.wait_ready(remaining):
+                continue
+            if sse is None:
+                raise
+            return await _end_with_error(sse, info, exc)
+        except GatewayError as exc:
+            if sse is None:
+                raise
+            return await _end_with_error(sse, info, exc)
     outcome.reached_engine = True
     complete = False
     try:
