@@ -8,6 +8,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -126,6 +127,16 @@ return 1
 )
 
 
+@dataclass(frozen=True)
+class _Settlement:
+    """A settle script call: free ``lease`` in ``lease_key``, correct the tokens by ``delta``."""
+
+    limits: TenantSettings
+    lease_key: str
+    lease: str
+    delta: int
+
+
 def _wait_s(text: Any) -> float:
     value = float(text)
     return math.inf if value >= _NEVER else value
@@ -182,6 +193,8 @@ class RedisRateLimiter(RateLimiter):
         self._lease_ids = itertools.count()
         self._leases: dict[str, str] = {}  # lease id -> leases key, for renewal
         self._held: dict[str, int] = {}  # tenant -> requests running here under a lease
+        # Settlements Redis could not take (lease id -> call), retried once it answers again.
+        self._pending: dict[str, _Settlement] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -221,7 +234,8 @@ class RedisRateLimiter(RateLimiter):
                 reply = await self._reserve(keys=(req_key, tok_key, lease_key), args=args)
             except asyncio.CancelledError:
                 # The script may have run: give back whatever it took.
-                self._detach(self._settle_remote(tenant, lease_key, lease, -tokens))
+                undo = _Settlement(tenant, lease_key, lease, -tokens)
+                self._detach(self._settle_remote(undo))
                 raise
             except _BACKEND_ERRORS as exc:
                 self._mark_down(exc)
@@ -239,7 +253,11 @@ class RedisRateLimiter(RateLimiter):
         return self._local.reserve_now(tenant, tokens, held=self._held.get(tenant.name, 0))
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
-        """See `RateLimiter.settle`; a Redis failure is logged and the lease left to expire."""
+        """See `RateLimiter.settle`.
+
+        While Redis is unreachable the settlement waits (without delaying the caller) and is sent
+        when Redis answers again; if the lease has expired by then, only the slot was freed.
+        """
         if reservation.settled:
             return
         if reservation.backend != "redis" or reservation.lease is None:
@@ -254,26 +272,28 @@ class RedisRateLimiter(RateLimiter):
         else:
             self._held.pop(reservation.tenant, None)
         delta = max(0, actual_tokens) - reservation.reserved_tokens
-        work = self._settle_remote(reservation.limits, lease_key, lease, delta)
+        job = _Settlement(reservation.limits, lease_key, lease, delta)
+        if not self._up:
+            self._pending[lease] = job
+            return
         try:
-            await work
+            await self._settle_remote(job)
         except asyncio.CancelledError:
             # Settling twice is harmless (the script charges only while it holds the lease).
-            self._detach(self._settle_remote(reservation.limits, lease_key, lease, delta))
+            self._detach(self._settle_remote(job))
             raise
 
-    async def _settle_remote(
-        self, tenant: TenantSettings, lease_key: str, lease: str, delta: int
-    ) -> None:
-        """Run the settle script; never raises (a failure marks Redis down)."""
-        tok_key = self._keys(tenant.name)[1]
+    async def _settle_remote(self, job: _Settlement) -> None:
+        """Run the settle script; never raises. If Redis fails, keep it for when Redis is back."""
+        tok_key = self._keys(job.limits.name)[1]
+        args = (job.limits.tpm, job.delta, job.lease)
         try:
-            await self._settle(keys=(tok_key, lease_key), args=(tenant.tpm, delta, lease))
+            await self._settle(keys=(tok_key, job.lease_key), args=args)
         except _BACKEND_ERRORS as exc:
             self._mark_down(exc)
-            log.warning("ratelimit_settle_failed", backend="redis", tenant=tenant.name)
+            self._pending[job.lease] = job
         except Exception:
-            log.exception("ratelimit_settle_failed", backend="redis", tenant=tenant.name)
+            log.exception("ratelimit_settle_failed", backend="redis", tenant=job.limits.name)
 
     async def headers(self, tenant: TenantSettings) -> dict[str, str]:
         """See `RateLimiter.headers`; local figures while Redis is unreachable."""
@@ -323,6 +343,10 @@ class RedisRateLimiter(RateLimiter):
                     await self._client.ping()
                     self._mark_up()
                     renew_at = 0.0
+                if self._pending:
+                    pending, self._pending = self._pending, {}
+                    for job in pending.values():
+                        await self._settle_remote(job)
                 if loop.time() >= renew_at:
                     renew_at = loop.time() + self._lease_ttl_s / 3
                     await self._renew_leases()

@@ -397,3 +397,29 @@ async def test_cancelled_reserve_gives_everything_back(replicas: Replicas) -> No
         await limiter.settle(res, 0)
     headers = await limiter.headers(who)
     assert headers["x-ratelimit-remaining-tokens"] == "1000"
+
+
+async def test_settlement_during_outage_is_sent_when_redis_returns(
+    replicas: Replicas, redis_server: RedisServer
+) -> None:
+    """A reservation settled while Redis is down frees its slot and charges once Redis is back."""
+    limiter = replicas.new()
+    who = tenant(tpm=600, concurrency=5)
+    res = await limiter.reserve(who, 10)
+    redis_server.stop()
+    started = time.monotonic()
+    await limiter.settle(res, 500)
+    assert time.monotonic() - started < 0.2
+    redis_server.start()
+    # The restarted server is empty, so seed the lease as the old server held it.
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await client.zadd("t38:rl:{acme}:lease", {res.lease: time.time() + 30})
+        deadline = time.monotonic() + 5
+        while (limiter._pending or not limiter.up) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert await client.zcard("t38:rl:{acme}:lease") == 0
+        level = float(await client.hget("t38:rl:{acme}:tok", "l") or 0)
+        assert level == pytest.approx(490, abs=1)
+    finally:
+        await client.aclose()
