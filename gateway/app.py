@@ -104,7 +104,7 @@ ENGINE_STATE = web.AppKey("engine_state", EngineState)
 LIMITER = web.AppKey("limiter", RateLimiter)
 ADMISSION = web.AppKey("admission", AdmissionQueue)
 RELOADER = web.AppKey("reloader", Reloader)
-CLOCK = web.AppKey("clock", Callable[[], float])
+CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")
 STARTED = web.AppKey("started", float)
 
 

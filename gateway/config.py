@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -275,7 +275,7 @@ def _build(cls: type, table: Any, where: str, base: Any = None) -> Any:
         if not isinstance(value, kinds):
             raise ConfigError(f"{dotted} = {value!r}: expected {kinds[0].__name__}")
         if float in kinds:
-            value = float(value)
+            value = float(cast(float, value))
             if not math.isfinite(value):
                 raise ConfigError(f"{dotted} = {value!r}: must be finite")
         range_key = f"tenant.{key}" if where.startswith("tenants.") else dotted

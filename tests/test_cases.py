@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import socket
 import time
@@ -65,9 +67,12 @@ def direct(sim: Sim, payload: dict[str, Any]) -> list[bytes]:
     """The same streaming request sent straight to the simulator: its data payloads."""
 
     async def go() -> list[bytes]:
-        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sim.socket)) as s:
-            async with s.post("http://engine/v1/chat/completions", json=payload) as r:
-                text = (await r.read()).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        connector = aiohttp.UnixConnector(path=sim.socket)
+        async with (
+            aiohttp.ClientSession(connector=connector) as s,
+            s.post("http://engine/v1/chat/completions", json=payload) as r,
+        ):
+            text = (await r.read()).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         return [
             line[6:]
             for block in text.split(b"\n\n")
@@ -110,7 +115,7 @@ def test_c01_buffered_stream_events_arrive_in_real_time(stack: Gateway) -> None:
     assert r.headers["x-accel-buffering"] == "no"
     assert "content-length" not in r.headers and "content-encoding" not in r.headers
     content_times = [t for t, p in events if b'"content":"' in p and b'"content":""' not in p]
-    gaps = [b - a for a, b in zip(content_times, content_times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(content_times)]
     assert len(gaps) >= 8
     # 250 ms apart at the engine; a buffering proxy would deliver bursts (gaps near 0).
     assert all(gap > 0.15 for gap in gaps), gaps
@@ -118,7 +123,7 @@ def test_c01_buffered_stream_events_arrive_in_real_time(stack: Gateway) -> None:
 
 def test_c02_comment_lines_never_wrapped_in_data(stack: Gateway) -> None:
     """C02: keepalive comments: every data line is JSON or [DONE]; the SDK finishes."""
-    _, events, raw = sse(stack, body({"keepalive": True}))
+    _, events, _ = sse(stack, body({"keepalive": True}))
     for _, payload in events:
         assert payload == b"[DONE]" or isinstance(json.loads(payload), dict)
     client = openai.OpenAI(base_url=stack.url("/v1"), api_key=KEY_A)
@@ -139,7 +144,8 @@ def test_c03_events_split_across_reads(stack: Gateway, fault: dict[str, Any]) ->
     _, split, raw = sse(stack, body({"completion_tokens": 16, **fault}, stream_options=usage))
     strip = [json.loads(p) if p != b"[DONE]" else p for _, p in split]
     base = [json.loads(p) if p != b"[DONE]" else p for _, p in clean]
-    for a, b in zip(strip, base):
+    assert len(strip) == len(base)
+    for a, b in zip(strip, base, strict=True):
         if isinstance(a, dict):
             a.pop("id"), a.pop("created"), b.pop("id"), b.pop("created")  # type: ignore[union-attr]
     assert strip == base
@@ -439,9 +445,9 @@ def test_c15_long_silences_are_not_cut(stack: Gateway) -> None:
         timeout=30,
     )
     assert r.status_code == 200
-    _, events, raw = sse(stack, body({"silence_s": 3}))
+    _, _, raw = sse(stack, body({"silence_s": 3}))
     assert raw.endswith(b"data: [DONE]\n\n")
-    _, events, raw = sse(stack, body({"tokens_per_second": 1, "completion_tokens": 4}))
+    _, _, raw = sse(stack, body({"tokens_per_second": 1, "completion_tokens": 4}))
     assert raw.endswith(b"data: [DONE]\n\n")
 
 
@@ -465,10 +471,8 @@ def _chat_body_of_size(size: int) -> bytes:
     """A valid chat body of about ``size`` bytes with CJK written as \\uXXXX escapes."""
     unit = "\\u4f60\\u597d"  # 12 bytes
     count = max(1, (size - 120) // len(unit))
-    return (
-        '{"model":"%s","max_tokens":1,"messages":[{"role":"user","content":"%s"}]}'
-        % (ALIAS, unit * count)
-    ).encode()
+    content = unit * count
+    return f'{{"model":"{ALIAS}","max_tokens":1,"messages":[{{"role":"user","content":"{content}"}}]}}'.encode()
 
 
 @pytest.mark.parametrize("mib", [0.9, 1.5, 6])
@@ -520,10 +524,8 @@ def test_c16_endless_chunked_upload_is_cut_at_the_limit(stack: Gateway) -> None:
     sock.setblocking(False)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and sent < 128 * 1024 * 1024:
-        try:
+        with contextlib.suppress(BlockingIOError):
             response += sock.recv(65536)
-        except BlockingIOError:
-            pass
         if b"\r\n\r\n" in response:
             break
         if not pending:
