@@ -97,7 +97,7 @@ class Ticket:
                 passed and this request queued behind its own tenant's earlier waiters, at least
                 two and at least the tenant's weighted share of the queue then.
             EngineUnavailable: the same timeout otherwise (the engine is saturated overall).
-            RuntimeError: the ticket was already released.
+            RuntimeError: the ticket was released (before or during the wait).
             asyncio.CancelledError: passed on, after giving the place (or slot) back.
         """
         if self._state is _State.GRANTED:
@@ -126,6 +126,8 @@ class Ticket:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if future.done():
+                    if future.cancelled():
+                        raise RuntimeError("ticket released while waiting")
                     return True
         except asyncio.CancelledError:
             self.release()
