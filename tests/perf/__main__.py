@@ -1,0 +1,198 @@
+"""``python -m tests.perf``: the relay benchmark of issue 8, printed as one table with verdicts.
+
+Sections (``--only`` picks some; default all but ``profile``):
+
+- ``fast``: simulator at 0 ms per token, 256 tokens an answer; c = 1, 32, 256;
+- ``paced``: 25 ms per token (40 tokens/s), 64 tokens; c = 1, 32, 64, 256;
+- ``limits``: adds the gateway with its rate limiter off to the ``fast`` rows;
+- ``slow``: 2,000 streams at 1 token/s held for 20 s (RSS and added stall);
+- ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised.
+
+Each of direct, nginx and gateway is measured in turn at each concurrency, the sequence repeated
+``--rounds`` times (default 3), and the medians are reported. Everything runs on loopback and Unix
+sockets in a private temp directory that is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from tests.perf.bench import Row, measure, medians, run_profile, save, table
+from tests.perf.loadgen import raise_open_files_limit
+from tests.perf.nginx import find_nginx
+from tests.perf.profile import find_py_spy, recording, summarise
+from tests.perf.slow import SlowResult, run_slow, slow_table
+from tests.perf.stacks import BENCH_MAX_CONCURRENCY, Profile, run_stack
+from tests.perf.targets import verdicts
+
+FAST = Profile("fast", "0 ms per token, 256 tokens an answer", 0.0, 256, (1, 32, 256))
+PACED = Profile("paced", "25 ms per token (40 tokens/s), 64 tokens", 40.0, 64, (1, 32, 64, 256))
+SECTIONS = ("fast", "paced", "limits", "slow")
+EXTRA_SECTIONS = ("profile",)
+SLOW_STREAMS, SLOW_TOKENS = 2000, 20
+QUICK_SLOW_STREAMS, QUICK_SLOW_TOKENS = 500, 8
+
+
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _nginx_version(binary: str | None) -> str:
+    if not binary:
+        return "not installed (nginx rows skipped)"
+    out = subprocess.run([binary, "-v"], capture_output=True, text=True, check=False)
+    return (out.stderr or out.stdout).strip().removeprefix("nginx version: ")
+
+
+def _uvloop_version() -> str:
+    try:
+        import uvloop
+    except ImportError:
+        return "not installed"
+    return uvloop.__version__
+
+
+def header(nginx_binary: str | None, rounds: int, quick: bool) -> str:
+    """What the numbers were measured on: machine, versions, settings."""
+    load = os.getloadavg()
+    return "\n".join(
+        [
+            "# qwen38-gateway relay benchmark",
+            "",
+            f"- machine: {os.cpu_count()} CPUs, load average at start "
+            f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {platform.platform()}",
+            f"- Python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
+            f"uvloop {_uvloop_version()}, nginx {_nginx_version(nginx_binary)}",
+            f"- {rounds} round(s), rows interleaved, medians reported"
+            + (" (quick: fewer requests per row)" if quick else ""),
+            f"- gateway: auth, memory rate limits, rewrites, metrics and access log on; "
+            f"engine.max_concurrency = {BENCH_MAX_CONCURRENCY} so the admission queue does not "
+            "serialise the load (production uses max_concurrency = 1, one V100)",
+            "- CPU = proxy process time on CPU (/proc/<pid>/task/*/schedstat) per 1,000 chunks "
+            "received by the client; peak RSS = VmHWM reset before each row; "
+            "+TTFT = difference to direct",
+        ]
+    )
+
+
+def run_profile_section(workdir: Path, quick: bool) -> str:
+    """py-spy the gateway during one ``fast`` c=32 row; the summary text."""
+    binary = find_py_spy()
+    if binary is None:
+        return "py-spy not installed (pip install py-spy): profile skipped"
+    with run_stack(workdir / "profile", FAST, nginx_binary=None, limits_off=False) as stack:
+        sim, targets = stack
+        gateway = next(t for t in targets if t.name == "gateway")
+        out = workdir / "gateway-profile.txt"
+        assert gateway.rss_pid is not None
+        with recording(binary, gateway.rss_pid, out):
+            row = measure(FAST, gateway, 32, sim.proc.pid, quick)
+    text = summarise(out.read_text())
+    return (
+        f"gateway under fast c=32 load ({row.rps:.1f} req/s, {row.cpu_per_1k:.1f} ms CPU "
+        f"per 1k chunks while sampled):\n\n{text}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected sections and print the report on stdout (progress on stderr)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.perf", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer requests per row; 1 round")
+    parser.add_argument("--rounds", type=int, help="repetitions of every row (default 3; quick 1)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS + EXTRA_SECTIONS,
+        help=f"sections to run (default: {' '.join(SECTIONS)})",
+    )
+    parser.add_argument("--json", type=Path, help="also write every measured row here (JSON lines)")
+    args = parser.parse_args(argv)
+    only = set(args.only or SECTIONS)
+    rounds = args.rounds or (1 if args.quick else 3)
+    raise_open_files_limit()
+    nginx_binary = find_nginx()
+    workdir = Path(tempfile.mkdtemp(prefix="q38perf-", dir="/tmp"))
+    os.chmod(workdir, 0o700)
+    report = [header(nginx_binary, rounds, args.quick), ""]
+    rows: list[Row] = []
+    slow: list[SlowResult] = []
+    try:
+        for profile in (FAST, PACED):
+            wanted = profile.name in only or (profile is FAST and "limits" in only)
+            if not wanted:
+                continue
+            full = profile.name in only
+            limits_off = profile is FAST and "limits" in only
+            _progress(f"starting {profile.name}: {profile.description}")
+            with run_stack(
+                workdir / profile.name,
+                profile,
+                nginx_binary=nginx_binary if full else None,
+                limits_off=limits_off,
+            ) as (sim, targets):
+                if not full:
+                    targets = [t for t in targets if t.name.startswith("gateway")]
+                rows += run_profile(
+                    profile,
+                    targets,
+                    sim.proc.pid,
+                    rounds=rounds,
+                    quick=args.quick,
+                    progress=_progress,
+                )
+        if "slow" in only:
+            streams = QUICK_SLOW_STREAMS if args.quick else SLOW_STREAMS
+            tokens = QUICK_SLOW_TOKENS if args.quick else SLOW_TOKENS
+            _progress(f"starting slow streams: {streams} at 1 token/s, {tokens} tokens")
+            slow = run_slow(
+                workdir / "slow",
+                streams=streams,
+                tokens=tokens,
+                rounds=rounds,
+                progress=_progress,
+            )
+        profile_text = run_profile_section(workdir, args.quick) if "profile" in only else ""
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        save(rows, args.json)
+    if rows:
+        report += [
+            "## Streaming relay (medians)",
+            "",
+            f"- fast: {FAST.description}; paced: {PACED.description}",
+            "",
+            table(sorted(medians(rows), key=_order)),
+            "",
+        ]
+    if slow:
+        report += ["## Slow streams (1 token/s)", "", slow_table(slow), ""]
+    report += ["## Targets (issue 8)", ""]
+    report += [v.line() for v in verdicts(medians(rows), slow)]
+    if profile_text:
+        report += ["", "## Profile", "", profile_text]
+    print("\n".join(report))
+    return 0
+
+
+_TARGET_ORDER = {"direct": 0, "nginx": 1, "gateway": 2, "gateway-limits-off": 3}
+
+
+def _order(row: Row) -> tuple[int, int, int]:
+    return (row.profile != "fast", row.concurrency, _TARGET_ORDER.get(row.target, 9))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
