@@ -23,6 +23,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admission import AdmissionQueue, Ticket
 from gateway.auth import Authenticator, Principal
@@ -211,11 +212,16 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[LIVE].current.settings
     client = EngineClient(settings.engine, app[METRICS])
     app[ENGINE] = client
-    poller = asyncio.create_task(_poll_health(app, client))
+    tasks = [
+        asyncio.create_task(_poll_health(app, client)),
+        asyncio.create_task(_check_drift(app, client)),
+    ]
     yield
-    poller.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await poller
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await client.close()
 
 
@@ -233,9 +239,47 @@ async def _poll_health(app: web.Application, client: EngineClient) -> None:
         await asyncio.sleep(engine.health_interval_s)
 
 
+def engine_running(text: str) -> float | None:
+    """``vllm:num_requests_running`` summed over engines, from a Prometheus exposition text."""
+    total = None
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:num_requests_running":
+            total = sum(sample.value for sample in family.samples)
+    return total
+
+
+async def _check_drift(app: web.Application, client: EngineClient) -> None:
+    """Compare the gateway's in-flight count with the engine's running requests; log drift.
+
+    The engine running more requests than the gateway admitted means generations nobody waits
+    for (an abort that did not reach the engine); fewer, for two checks in a row, means a slot
+    the gateway never released. Both are logged as ``inflight_drift`` for the operator.
+    """
+    previous = 0.0
+    while True:
+        await asyncio.sleep(app[LIVE].current.settings.engine.drift_check_interval_s)
+        if not app[ENGINE_STATE].ready:
+            continue
+        try:
+            running = engine_running(await client.metrics_text(timeout=5.0))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            continue
+        if running is None:
+            continue
+        drift = app[ADMISSION].in_flight - running
+        if drift and previous and (drift > 0) == (previous > 0):
+            events.warning(
+                "inflight_drift",
+                gateway_in_flight=app[ADMISSION].in_flight,
+                engine_running=running,
+            )
+        previous = drift
+
+
 async def _limiter_ctx(app: web.Application) -> AsyncIterator[None]:
     limiter = create_rate_limiter(app[LIVE].current.settings, app[METRICS], clock=app[CLOCK])
     app[LIMITER] = limiter
+    await limiter.start()
     yield
     await limiter.close()
 
@@ -526,7 +570,9 @@ async def _proxy(request: web.Request, kind: Kind, path: str) -> web.StreamRespo
     label = info.tenant
     metrics.in_flight.labels(label).inc()
     try:
-        ticket = app[ADMISSION].enqueue(tenant.name, tenant.weight, plan.reserve_tokens)
+        ticket = app[ADMISSION].enqueue(
+            tenant.name, tenant.weight, plan.reserve_tokens, label=label
+        )
         try:
             return await _admitted(request, plan, path, ticket, reservation, outcome, tenant)
         finally:

@@ -73,6 +73,8 @@ class EngineSettings:
     V100 (vllm-protocol.md section 2), so it defaults to 15 minutes; there is no total timeout.
     ``ready_file``, when set, is the file the launcher (``qwen38-engine serve``) creates once its
     warm-up request succeeded: until it exists a healthy engine counts as ``warming``.
+    ``drift_check_interval_s``: how often the gateway's in-flight count is compared with the
+    engine's ``vllm:num_requests_running`` (drift is logged).
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
     headers and ``: queued`` SSE comments while it waits.
     """
@@ -89,6 +91,7 @@ class EngineSettings:
     health_interval_s: float = 2.0
     queued_comment_after_s: float = 3.0
     ready_file: str = ""
+    drift_check_interval_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "engine.pool_idle_s": (0.1, 4.9),
     "engine.health_interval_s": (0.05, 600),
     "engine.queued_comment_after_s": (0, 3600),
+    "engine.drift_check_interval_s": (0.1, 86_400),
     "auth.jwt_leeway_s": (0, 3600),
     "auth.jwt_max_ttl_s": (1, 31_536_000),
     "auth.reload_poll_s": (0.05, 60),

@@ -200,3 +200,24 @@ def test_gateway_follows_the_launcher_from_warming_to_ready(
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(5)
+
+
+def test_inflight_drift_is_logged(sim_factory: Any, gateway_factory: Any) -> None:
+    """Requests running at the engine that the gateway did not admit are reported as drift."""
+    sim = sim_factory()
+    gw = gateway_factory(sim, {"engine": {"drift_check_interval_s": 0.3}})
+    transport = httpx.HTTPTransport(uds=sim.socket)
+    payload = {
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "sim": {"tokens_per_second": 5, "completion_tokens": 20},
+    }
+    with (
+        httpx.Client(transport=transport) as direct,
+        direct.stream("POST", "http://engine/v1/chat/completions", json=payload, timeout=30) as r,
+    ):
+        for _ in r.iter_lines():
+            if any(e.get("event") == "inflight_drift" for e in gw.logs()):
+                break
+    drift = [e for e in gw.logs() if e.get("event") == "inflight_drift"]
+    assert drift and drift[0]["engine_running"] == 1 and drift[0]["gateway_in_flight"] == 0
