@@ -1,43 +1,110 @@
 """Structured logs: structlog, one JSON object per line on stdout, ``request_id`` bound per request.
 
 Never log keys, tokens, prompts or completions: the access line carries only the fields of
-DESIGN section 7 and a bounded reason.
+DESIGN section 7 and a bounded reason, and `redact_secrets` masks credential-shaped strings that
+could still reach a line through an exception message.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
-_LEVELS = {
+LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
+REDACTED = "[redacted]"
+# Credential shapes: keys written by `keys add` (``sk-q38-`` + base64url), any other ``sk-``
+# style key, a Bearer header value, and a JWT (three base64url segments, the first a JSON object
+# so starting with ``eyJ``; RFC 7519 section 3).
+_SECRET_RE = re.compile(
+    r"\bsk-[A-Za-z0-9_\-]{8,}"
+    r"|\beyJ[A-Za-z0-9_\-]*\.[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]*"
+    r"|(?i:\bbearer\s+)[A-Za-z0-9\-._~+/]+=*"
+)
+
+
+class NamedWriteLogger(structlog.WriteLogger):
+    """`structlog.WriteLogger` that knows its name, so lines carry ``logger`` (the module)."""
+
+    def __init__(self, file: TextIO, name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+
+def _logger_factory(stream: TextIO) -> Callable[..., NamedWriteLogger]:
+    def factory(*args: Any) -> NamedWriteLogger:
+        return NamedWriteLogger(stream, str(args[0]) if args else "gateway")
+
+    return factory
+
+
+def redact_secrets(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+    """Replace credential-shaped substrings of every string value by ``[redacted]``.
+
+    A structlog processor. The gateway never passes a credential to a logger; this is the net
+    under exception messages and tracebacks (``exception`` field), which quote what they like.
+    """
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = _SECRET_RE.sub(REDACTED, value)
+        elif isinstance(value, (list, tuple)):
+            event_dict[key] = [
+                _SECRET_RE.sub(REDACTED, item) if isinstance(item, str) else item for item in value
+            ]
+    return event_dict
 
 
 def configure_logging(level: str = "info", stream: TextIO | None = None) -> None:
-    """Route structlog to ``stream`` (stdout) as JSON lines, filtered at ``level``.
+    """Route structlog and the standard library's logging to ``stream`` as JSON lines.
 
-    Each line has ``timestamp`` (ISO 8601 UTC), ``level``, ``logger``, ``event`` and the bound
-    context (``request_id`` inside a request). aiohttp's own access log is not used.
+    Args:
+        level: ``[logging] level`` (debug, info, warning, error); lines below it are dropped.
+        stream: where lines go; stdout when None (systemd's journal, Docker's log driver).
+
+    Each line has ``event``, ``level``, ``logger`` (the module that logged it), ``timestamp``
+    (ISO 8601 UTC) and the bound context (``request_id`` inside a request). Records of the
+    standard library (aiohttp's server errors, asyncio) become the same JSON lines, at
+    ``warning`` and above unless ``level`` is lower. aiohttp's access log is off: the gateway
+    writes its own access line (event ``request``).
     """
-    processors: list[Any] = [
+    out = stream or sys.stdout
+    threshold = LEVELS.get(level, logging.INFO)
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
+        structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    render: list[Processor] = [
         structlog.processors.format_exc_info,
+        redact_secrets,
         structlog.processors.JSONRenderer(sort_keys=False),
     ]
     structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stdout),
+        processors=[*shared, *render],
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
+        logger_factory=_logger_factory(out),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    # Libraries are chatty at info: their lines show from warning up, or everything at debug.
+    root.setLevel(threshold if threshold == logging.DEBUG else max(threshold, logging.WARNING))
     logging.getLogger("aiohttp.access").disabled = True

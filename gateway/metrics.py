@@ -3,11 +3,13 @@
 Label values come only from bounded sets: configured tenants plus ``default`` and ``unknown``
 (`Settings.tenant_label`), route templates plus ``other``, status codes, and the fixed reason and
 kind vocabularies below. Never a key, key hash, IP, user agent or any client-chosen string.
+The registry also carries the standard ``process_*`` families (memory, CPU, open file
+descriptors) of the gateway process.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # Time to first token on a V100 at ~30 tok/s: tens of ms for a cached short prompt, minutes of
 # prefill for a 254,976-token prompt (vllm-protocol.md section 2); 50 ms .. 10 min.
@@ -46,7 +48,10 @@ UPSTREAM_ERROR_KINDS = (
     "status_5xx",
 )
 RATE_LIMITS = ("requests", "tokens", "concurrency", "queue")
+# vLLM's usage has no reasoning count (vllm-protocol.md section 5.1): completion includes it.
 TOKEN_TYPES = ("prompt", "completion")
+RELOAD_RESULTS = ("ok", "error")
+RATELIMIT_BACKENDS = ("memory", "redis")
 
 
 class Metrics:
@@ -59,6 +64,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        ProcessCollector(registry=registry)
         self.requests = Counter(
             "gateway_requests",
             "Requests answered, by tenant, route template and HTTP status code.",
@@ -168,7 +174,7 @@ class Metrics:
                 self.rate_limited.labels(tenant, limit)
             for kind in TOKEN_TYPES:
                 self.tokens.labels(tenant, kind)
-        for result in ("ok", "error"):
+        for result in RELOAD_RESULTS:
             self.config_reloads.labels(result)
         for kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(kind)

@@ -1,0 +1,307 @@
+"""JSON-lines logging: format, levels, bound request ids, redaction, and the access line."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from prometheus_client import CollectorRegistry
+from structlog.testing import LogCapture, capture_logs
+
+from gateway.app import create_app
+from gateway.config import parse_settings
+from gateway.keys import load_keys_file
+from gateway.logs import REDACTED, configure_logging, redact_secrets
+from gateway.metrics import Metrics
+from gateway.upstream import EngineState
+from tests.conftest import DEFAULT_KEYS, KEY_A, KEY_C, write_keys
+
+JWT = (
+    "eyJhbGciOiJIUzI1NiIsImtpZCI6Im9icyJ9"
+    ".eyJzdWIiOiJhY21lIiwiZXhwIjoxOTAwMDAwMDAwfQ"
+    ".c2lnbmF0dXJlLWJ5dGVzLWhlcmUtMDEyMzQ1Njc4OQ"
+)
+
+
+@pytest.fixture
+def output() -> Iterator[io.StringIO]:
+    """`configure_logging` into a buffer; structlog and stdlib logging restored afterwards."""
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    access = logging.getLogger("aiohttp.access")
+    access_disabled = access.disabled
+    buffer = io.StringIO()
+    yield buffer
+    structlog.configure(**saved)
+    root.handlers, root.level = handlers, level
+    access.disabled = access_disabled
+
+
+def lines(buffer: io.StringIO) -> list[dict[str, Any]]:
+    """Every line of ``buffer`` parsed; fails unless each is one JSON object."""
+    out = []
+    for line in buffer.getvalue().splitlines():
+        entry = json.loads(line)
+        assert isinstance(entry, dict)
+        out.append(entry)
+    return out
+
+
+@pytest.fixture
+def captured() -> Iterator[list[dict[str, Any]]]:
+    """Log entries as dicts with the bound context merged in (the request id), at any level."""
+    saved = structlog.get_config()
+    capture = LogCapture()
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, capture],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+    )
+    yield capture.entries
+    structlog.configure(**saved)
+
+
+# -------------------------------------------------------------------------------- the format
+
+
+def test_each_line_is_a_json_object_with_event_level_logger_timestamp(
+    output: io.StringIO,
+) -> None:
+    """A structlog call becomes one JSON line with its fields, level, module name and UTC time."""
+    configure_logging("info", output)
+    structlog.get_logger("gateway.test").info("something_happened", count=3, ok=True)
+    (entry,) = lines(output)
+    assert entry["event"] == "something_happened"
+    assert (entry["count"], entry["ok"]) == (3, True)
+    assert (entry["level"], entry["logger"]) == ("info", "gateway.test")
+    assert entry["timestamp"].endswith("Z") and "T" in entry["timestamp"]
+    assert output.getvalue().count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("level", "shown"),
+    [
+        ("debug", ["d", "i", "w", "e"]),
+        ("info", ["i", "w", "e"]),
+        ("warning", ["w", "e"]),
+        ("error", ["e"]),
+    ],
+)
+def test_level_drops_lines_below_it(output: io.StringIO, level: str, shown: list[str]) -> None:
+    """``[logging] level`` is the threshold: lower lines are dropped."""
+    configure_logging(level, output)
+    log = structlog.get_logger("gateway.test")
+    log.debug("d")
+    log.info("i")
+    log.warning("w")
+    log.error("e")
+    assert [e["event"] for e in lines(output)] == shown
+
+
+def test_bound_request_id_is_on_every_line_until_unbound(output: io.StringIO) -> None:
+    """A request id bound in the context is merged into each line, and gone once unbound."""
+    configure_logging("info", output)
+    log = structlog.get_logger("gateway.test")
+    structlog.contextvars.bind_contextvars(request_id="req-1")
+    try:
+        log.info("first")
+        logging.getLogger("aiohttp.server").warning("from the standard library")
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+    log.info("after")
+    first, stdlib, after = lines(output)
+    assert first["request_id"] == stdlib["request_id"] == "req-1"
+    assert "request_id" not in after
+
+
+def test_standard_library_records_become_json_lines(output: io.StringIO) -> None:
+    """aiohttp's and asyncio's records are JSON lines too; their info lines stay quiet at info."""
+    configure_logging("info", output)
+    server = logging.getLogger("aiohttp.server")
+    server.info("chatty")
+    try:
+        raise ConnectionResetError("peer went away")
+    except ConnectionResetError:
+        server.exception("Error handling request")
+    logging.getLogger("asyncio").warning("slow callback %s", "x")
+    error, warning = lines(output)
+    assert (error["event"], error["level"], error["logger"]) == (
+        "Error handling request",
+        "error",
+        "aiohttp.server",
+    )
+    assert "ConnectionResetError: peer went away" in error["exception"]
+    assert (warning["event"], warning["logger"]) == ("slow callback x", "asyncio")
+
+
+def test_aiohttp_access_log_is_off(output: io.StringIO) -> None:
+    """aiohttp's own access logger writes nothing: the gateway writes its own access line."""
+    configure_logging("debug", output)
+    logging.getLogger("aiohttp.access").info('127.0.0.1 "GET / HTTP/1.1" 200')
+    assert output.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------------- redaction
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        (KEY_A, KEY_A),
+        (f"key {KEY_A} rejected", KEY_A),
+        ("sk-proj-abcdefghijklmnopqrstuvwxyz012345", "abcdefghijklmnopqrstuvwxyz012345"),
+        (JWT, JWT),
+        (f"Authorization: Bearer {JWT}", JWT),
+        ("bearer plain-hand-typed-secret-1234", "plain-hand-typed-secret-1234"),
+    ],
+)
+def test_redact_secrets_masks_credential_shapes(text: str, secret: str) -> None:
+    """Keys, JWTs and Bearer values inside any string field become ``[redacted]``."""
+    entry = redact_secrets(None, "info", {"event": "x", "detail": text, "list": [text, 1]})
+    for value in (entry["detail"], entry["list"][0]):
+        assert secret not in value
+        assert REDACTED in value
+    assert entry["list"][1] == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["task-1234567890", "request", "0d8c1f2e9a", "sk-short", "/v1/chat/completions", "KEY_A"],
+)
+def test_redact_secrets_leaves_ordinary_text(text: str) -> None:
+    """Request ids, key ids, routes and words are not mistaken for secrets."""
+    assert redact_secrets(None, "info", {"event": text})["event"] == text
+
+
+def test_redaction_covers_exception_tracebacks(output: io.StringIO) -> None:
+    """A secret quoted by an exception message is masked in the rendered traceback."""
+    configure_logging("info", output)
+    try:
+        raise ValueError(f"unexpected credential {KEY_C}")
+    except ValueError:
+        structlog.get_logger("gateway").exception("unhandled_error")
+    (entry,) = lines(output)
+    assert KEY_C not in output.getvalue()
+    assert REDACTED in entry["exception"]
+
+
+# ---------------------------------------------------------------------------- lifecycle lines
+
+
+def test_engine_transitions_log_engine_up_and_down() -> None:
+    """EngineState logs engine_up on ready and engine_down on failure, once per transition."""
+    state = EngineState(Metrics(CollectorRegistry()))
+    with capture_logs() as entries:
+        state.set("ready")
+        state.set("ready")
+        state.set("down", "connection refused")
+    assert [(e["event"], e["log_level"]) for e in entries] == [
+        ("engine_up", "info"),
+        ("engine_down", "warning"),
+    ]
+    assert entries[0]["previous"] == "starting"
+    assert entries[1]["error"] == "connection refused"
+
+
+# ------------------------------------------------------------------ the access line in-process
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any) -> Any:
+    """A gateway app in-process (tenant acme configured) whose engine socket does not exist."""
+    directory = Path(tempfile.mkdtemp(prefix="q38l-", dir="/tmp"))
+    keys_file = directory / "keys.env"
+    write_keys(keys_file, DEFAULT_KEYS)
+    settings = parse_settings(
+        {
+            "engine": {"socket": str(directory / "absent.sock"), "health_interval_s": 0.05},
+            "auth": {"keys_file": str(keys_file)},
+            "tenants": {"acme": {}},
+        }
+    )
+    yield await aiohttp_client(create_app(settings, keys=load_keys_file(keys_file)))
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def access(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The access lines among captured entries."""
+    return [e for e in entries if e["event"] == "request"]
+
+
+async def test_access_line_of_a_public_route(client: Any, captured: list[dict[str, Any]]) -> None:
+    """/health logs method, route, status, tenant unknown, duration and the echoed request id."""
+    r = await client.get("/health", headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    (line,) = access(captured)
+    assert line["request_id"] == "abc-123"
+    assert (line["method"], line["route"], line["status"]) == ("GET", "/health", 200)
+    assert line["tenant"] == "unknown" and line["log_level"] == "info"
+    assert isinstance(line["duration_ms"], float) and line["duration_ms"] >= 0
+    assert not {"key_id", "stream", "thinking", "ttft_ms", "reason"} & set(line)
+
+
+async def test_access_line_of_an_auth_failure(client: Any, captured: list[dict[str, Any]]) -> None:
+    """A 401 logs its bounded reason, tenant unknown, and neither key nor key id."""
+    r = await client.post("/v1/chat/completions", json={"model": KEY_A})
+    assert r.status == 401
+    r = await client.get("/v1/models", headers={"Authorization": f"Bearer {KEY_A}x"})
+    assert r.status == 401
+    missing, unknown = access(captured)
+    assert (missing["status"], missing["reason"], missing["tenant"]) == (401, "missing", "unknown")
+    assert (unknown["reason"], unknown["route"]) == ("unknown", "/v1/models")
+    assert "key_id" not in unknown
+    assert KEY_A not in json.dumps(captured)
+
+
+async def test_access_line_of_an_unknown_route(client: Any, captured: list[dict[str, Any]]) -> None:
+    """An unknown path is route ``other`` (never the path itself) with the caller's tenant."""
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    r = await client.get("/v1/secret-path-zz9", headers=headers)
+    assert r.status == 404
+    (line,) = access(captured)
+    assert (line["route"], line["tenant"], line["key_id"]) == ("other", "acme", "KEY_A")
+    assert "secret-path-zz9" not in json.dumps(captured)
+
+
+async def test_access_line_of_a_model_request_while_the_engine_starts(
+    client: Any, captured: list[dict[str, Any]]
+) -> None:
+    """A 503 is a warning with reason, stream and thinking; an unconfigured tenant is ``default``."""
+    body = {
+        "model": "qwen3.8-27b",
+        "stream": True,
+        "messages": [{"role": "user", "content": "prompt-marker-77"}],
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    r = await client.post(
+        "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_C}"}
+    )
+    assert r.status == 503
+    (line,) = access(captured)
+    assert (line["status"], line["reason"], line["log_level"]) == (
+        503,
+        "engine_unavailable",
+        "warning",
+    )
+    assert (line["tenant"], line["stream"], line["thinking"]) == ("default", True, False)
+    assert "prompt-marker-77" not in json.dumps(captured)
+
+
+async def test_unusable_request_ids_are_replaced(
+    client: Any, captured: list[dict[str, Any]]
+) -> None:
+    """An id with spaces or over 128 characters is replaced by a generated one, logged and echoed."""
+    for supplied in ("has space", "x" * 129, ""):
+        r = await client.get("/health", headers={"X-Request-Id": supplied})
+        generated = r.headers["x-request-id"]
+        assert generated != supplied and len(generated) == 32
+        assert access(captured)[-1]["request_id"] == generated
+    assert len({e["request_id"] for e in access(captured)}) == 3
