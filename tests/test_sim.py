@@ -901,9 +901,9 @@ async def test_c10_stream_disconnect_aborts(client: aiohttp.ClientSession, sim: 
                 break
         resp.close()
     left = time.monotonic()
-    line = await sim.record_for(request_id)
+    record = await sim.record_for(request_id)
     assert time.monotonic() - left < 1.0
-    assert line["outcome"] == "aborted" and 4 <= line["tokens_sent"] <= 7
+    assert record["outcome"] == "aborted" and 4 <= record["tokens_sent"] <= 7
     assert (
         await metric(client, "vllm:request_success_total", finished_reason="abort") == aborted + 1
     )
@@ -1066,9 +1066,18 @@ async def test_metrics_families_labels_and_counts(
 # Process lifecycle
 
 
-def test_load_time_refuses_then_sigterm_removes_the_socket(tmp_path_factory: Any) -> None:
+async def _refused_everywhere(proc: SimProcess) -> None:
+    async with session_for(proc) as session:
+        async with session.get(BASE + "/health") as resp:
+            assert (resp.status, await resp.read()) == (503, b"")
+        async with session.post(BASE + CHAT, json=chat()) as resp:
+            assert resp.status == 503 and "scaling" in (await resp.json())["error"]
+
+
+def test_load_time_refuses_then_sigterm_removes_the_socket() -> None:
     """The socket refuses connections during --load-s, serves after it, and SIGTERM exits 0
-    and removes the socket file; a path already taken makes start-up fail."""
+    and removes the socket file; a path already taken makes start-up fail; a process-wide
+    --refuse 503 makes /health an empty 503 (a dead engine) and model routes 503."""
     directory = Path(tempfile.mkdtemp(prefix="simlc-", dir="/tmp"))
     try:
         proc = launch(directory, "--load-s", "1.0", wait=False)
@@ -1085,5 +1094,11 @@ def test_load_time_refuses_then_sigterm_removes_the_socket(tmp_path_factory: Any
         Path(proc.socket).write_text("taken")
         second = launch(directory, wait=False)
         assert second.proc.wait(10) == 1
+        os.unlink(proc.socket)
+        refusing = launch(directory, "--refuse", "503")
+        try:
+            asyncio.run(_refused_everywhere(refusing))
+        finally:
+            assert refusing.stop() == 0
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -209,8 +209,12 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _health(request: web.Request) -> web.StreamResponse:
-    """`/health` and `/ping`: empty 200; process-wide refuse, hang and headers_delay_s apply."""
-    early = await entry_faults(request, request.app[OPTIONS].behaviour)
+    """`/health` and `/ping`: empty 200; process-wide refuse, hang and headers_delay_s apply,
+    a refusal with 503 as vLLM's dead engine answers: an empty 503 (section 2)."""
+    behaviour = request.app[OPTIONS].behaviour
+    if behaviour.refuse == "503":
+        return web.Response(status=503)
+    early = await entry_faults(request, behaviour)
     return web.Response() if early is None else early
 
 

@@ -4,8 +4,8 @@ A line is ``{"method", "path", "headers", "body", "outcome", "tokens_sent", "sta
 `headers` as received (Authorization included: the file is test evidence of what reached the
 engine, keep it private), `body` the parsed JSON or null, `outcome` one of `finished`,
 `aborted` (the client went away) or `error` (an error status, an in-stream error or a fault
-that cut the answer), `tokens_sent` the generated tokens written to the client, `status` the
-HTTP status sent or 0 when none was.
+that cut the answer), `tokens_sent` the generated tokens written to the client (for a
+non-streaming request: produced so far), `status` the HTTP status sent or 0 when none was.
 """
 
 from __future__ import annotations
