@@ -105,6 +105,24 @@ def configure_logging(level: str = "info", stream: TextIO | None = None) -> None
     )
     root = logging.getLogger()
     root.handlers = [handler]
-    # Libraries are chatty at info: their lines show from warning up, or everything at debug.
-    root.setLevel(threshold if threshold == logging.DEBUG else max(threshold, logging.WARNING))
+    root.setLevel(_library_threshold(threshold))
     logging.getLogger("aiohttp.access").disabled = True
+
+
+def set_level(level: str) -> None:
+    """Change the threshold of the logging `configure_logging` set up, keeping everything else.
+
+    For a reload of ``[logging] level``: takes effect for the next line, in flight or not.
+
+    Raises:
+        KeyError: ``level`` is not one of debug, info, warning, error (config validation
+            rules that out).
+    """
+    threshold = LEVELS[level]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(threshold))
+    logging.getLogger().setLevel(_library_threshold(threshold))
+
+
+def _library_threshold(threshold: int) -> int:
+    """Libraries are chatty at info: their lines show from warning up, or everything at debug."""
+    return threshold if threshold == logging.DEBUG else max(threshold, logging.WARNING)

@@ -7,7 +7,7 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from structlog.testing import LogCapture, capture_logs
 from gateway.app import create_app
 from gateway.config import parse_settings
 from gateway.keys import load_keys_file
-from gateway.logs import REDACTED, configure_logging, redact_secrets
+from gateway.logs import REDACTED, configure_logging, redact_secrets, set_level
 from gateway.metrics import Metrics
 from gateway.upstream import EngineState
 from tests.conftest import DEFAULT_KEYS, KEY_A, KEY_C, write_keys
@@ -57,7 +57,7 @@ def lines(buffer: io.StringIO) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def captured() -> Iterator[list[dict[str, Any]]]:
+def captured() -> Iterator[list[MutableMapping[str, Any]]]:
     """Log entries as dicts with the bound context merged in (the request id), at any level."""
     saved = structlog.get_config()
     capture = LogCapture()
@@ -104,6 +104,23 @@ def test_level_drops_lines_below_it(output: io.StringIO, level: str, shown: list
     log.warning("w")
     log.error("e")
     assert [e["event"] for e in lines(output)] == shown
+
+
+def test_set_level_changes_only_the_threshold(output: io.StringIO) -> None:
+    """A reload's new level applies to the next line; format and destination stay."""
+    configure_logging("warning", output)
+    log = structlog.get_logger("gateway.test")
+    log.info("hidden")
+    set_level("debug")
+    log.debug("shown")
+    logging.getLogger("asyncio").debug("library detail")
+    set_level("error")
+    log.warning("hidden too")
+    logging.getLogger("asyncio").warning("hidden as well")
+    assert [(e["event"], e["logger"]) for e in lines(output)] == [
+        ("shown", "gateway.test"),
+        ("library detail", "asyncio"),
+    ]
 
 
 def test_bound_request_id_is_on_every_line_until_unbound(output: io.StringIO) -> None:
@@ -231,12 +248,14 @@ async def client(aiohttp_client: Any) -> Any:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def access(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def access(entries: list[MutableMapping[str, Any]]) -> list[MutableMapping[str, Any]]:
     """The access lines among captured entries."""
     return [e for e in entries if e["event"] == "request"]
 
 
-async def test_access_line_of_a_public_route(client: Any, captured: list[dict[str, Any]]) -> None:
+async def test_access_line_of_a_public_route(
+    client: Any, captured: list[MutableMapping[str, Any]]
+) -> None:
     """/health logs method, route, status, tenant unknown, duration and the echoed request id."""
     r = await client.get("/health", headers={"X-Request-Id": "abc-123"})
     assert r.headers["x-request-id"] == "abc-123"
@@ -248,7 +267,9 @@ async def test_access_line_of_a_public_route(client: Any, captured: list[dict[st
     assert not {"key_id", "stream", "thinking", "ttft_ms", "reason"} & set(line)
 
 
-async def test_access_line_of_an_auth_failure(client: Any, captured: list[dict[str, Any]]) -> None:
+async def test_access_line_of_an_auth_failure(
+    client: Any, captured: list[MutableMapping[str, Any]]
+) -> None:
     """A 401 logs its bounded reason, tenant unknown, and neither key nor key id."""
     r = await client.post("/v1/chat/completions", json={"model": KEY_A})
     assert r.status == 401
@@ -261,7 +282,9 @@ async def test_access_line_of_an_auth_failure(client: Any, captured: list[dict[s
     assert KEY_A not in json.dumps(captured)
 
 
-async def test_access_line_of_an_unknown_route(client: Any, captured: list[dict[str, Any]]) -> None:
+async def test_access_line_of_an_unknown_route(
+    client: Any, captured: list[MutableMapping[str, Any]]
+) -> None:
     """An unknown path is route ``other`` (never the path itself) with the caller's tenant."""
     headers = {"Authorization": f"Bearer {KEY_A}"}
     r = await client.get("/v1/secret-path-zz9", headers=headers)
@@ -272,7 +295,7 @@ async def test_access_line_of_an_unknown_route(client: Any, captured: list[dict[
 
 
 async def test_access_line_of_a_model_request_while_the_engine_starts(
-    client: Any, captured: list[dict[str, Any]]
+    client: Any, captured: list[MutableMapping[str, Any]]
 ) -> None:
     """A 503 is a warning with reason, stream and thinking; an unconfigured tenant is ``default``."""
     body = {
@@ -296,7 +319,7 @@ async def test_access_line_of_a_model_request_while_the_engine_starts(
 
 
 async def test_unusable_request_ids_are_replaced(
-    client: Any, captured: list[dict[str, Any]]
+    client: Any, captured: list[MutableMapping[str, Any]]
 ) -> None:
     """An id with spaces or over 128 characters is replaced by a generated one, logged and echoed."""
     for supplied in ("has space", "x" * 129, ""):

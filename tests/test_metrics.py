@@ -273,3 +273,10 @@ async def test_scrape_token_from_the_keys_file(aiohttp_client: Any, short_dir: P
     ok = await client.get("/metrics", headers={"Authorization": "Bearer tok-123"})
     assert ok.status == 200
     assert "tok-123" not in await ok.text()
+
+
+def test_metrics_listener_defaults_to_loopback_9400() -> None:
+    """Without a [metrics] table the listener is 127.0.0.1:9400 (DESIGN sections 3 and 7)."""
+    metrics = Settings().metrics
+    assert (metrics.enabled, metrics.host, metrics.port) == (True, "127.0.0.1", 9400)
+    assert Settings().server.port != metrics.port

@@ -165,7 +165,9 @@ def tokens(gw: Gateway) -> dict[tuple[str, str], float]:
     return out
 
 
-def delta(after: dict[tuple[str, str], float], before: dict[tuple[str, str], float]) -> dict:
+def delta(
+    after: dict[tuple[str, str], float], before: dict[tuple[str, str], float]
+) -> dict[tuple[str, str], float]:
     """Per-key difference, zero entries dropped."""
     keys = set(after) | set(before)
     diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
@@ -488,10 +490,10 @@ def _random_request(rng: random.Random) -> tuple[str, str, dict[str, str], bytes
     if rng.random() < 0.5:
         headers["X-Request-Id"] = f"rid-{mark}" if rng.random() < 0.5 else f"bad id {mark}"
     if rng.random() < 0.25:
-        credential = rng.choice([KEY_A, KEY_B, KEY_C, token_for(f"sub-{mark}")])
-        headers["Authorization"] = f"Bearer {credential}"
-        body = chat_body({"completion_tokens": 3}, stream=rng.random() < 0.5, user=mark)
-        return "POST", "/v1/chat/completions", headers, json.dumps(body).encode(), [mark]
+        valid = rng.choice([KEY_A, KEY_B, KEY_C, token_for(f"sub-{mark}")])
+        headers["Authorization"] = f"Bearer {valid}"
+        payload = chat_body({"completion_tokens": 3}, stream=rng.random() < 0.5, user=mark)
+        return "POST", "/v1/chat/completions", headers, json.dumps(payload).encode(), [mark]
     path = rng.choice(
         [
             "/v1/chat/completions",
