@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.sim.generate import complete_answer, entry_faults, stream_answer
-from engine.sim.keys import JSON_BODY, KEY_DIGESTS, METRICS, OPTIONS, RECORDER, SCHEDULER
+from engine.sim.keys import KEY_DIGESTS, METRICS, OPTIONS, RECORDER, SCHEDULER, TRACE
 from engine.sim.metrics import CONTENT_TYPE, SimMetrics
 from engine.sim.middleware import (
     auth_middleware,
@@ -52,11 +52,13 @@ def fingerprint(options: SimOptions) -> str:
 
 
 async def _request_json(request: web.Request) -> Any:
-    """The body parsed as vLLM's JSON routes do (ApiError 400 otherwise); cached on the request."""
-    if JSON_BODY not in request:
+    """The body parsed as vLLM's JSON routes do (ApiError 400 otherwise); kept in the Trace."""
+    trace = TRACE.get()
+    if not trace.parsed:
         raw = await request.read()
-        request[JSON_BODY] = parse_json(raw, request.headers.get("Content-Type", ""))
-    return request[JSON_BODY]
+        trace.body = parse_json(raw, request.headers.get("Content-Type", ""))
+        trace.parsed = True
+    return trace.body
 
 
 def _behaviour(request: web.Request, body: Any) -> Behaviour:

@@ -37,7 +37,7 @@ def close_connection(request: web.Request) -> None:
 
 async def entry_faults(request: web.Request, behaviour: Behaviour) -> web.StreamResponse | None:
     """Apply the faults that act before any answer: refuse, hang, slow headers."""
-    trace: Trace = request[TRACE]
+    trace = TRACE.get()
     if behaviour.refuse == "close":
         trace.outcome, trace.status = "error", 0
         close_connection(request)
@@ -136,7 +136,7 @@ async def stream_answer(
 ) -> web.StreamResponse:
     """Answer as an SSE stream: headers at once, role chunks after prefill, one chunk per
     token, final chunks, optional usage chunk, ``[DONE]`` (sections 5.3-5.6)."""
-    trace: Trace = request[TRACE]
+    trace = TRACE.get()
     response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
     await response.prepare(request)
     writer = EventWriter(response, behaviour)
@@ -191,7 +191,7 @@ async def complete_answer(
     arrival: float,
 ) -> web.StreamResponse:
     """Answer with one JSON body once every token is produced; a client leaving cancels it."""
-    trace: Trace = request[TRACE]
+    trace = TRACE.get()
     await asyncio.sleep(behaviour.silence_s)
     async with request.app[SCHEDULER].admit(prompt_tokens, arrival) as slot:
         await asyncio.sleep(behaviour.prefill_ms / 1000)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 from aiohttp import web
 
 from engine.sim.metrics import SimMetrics
 from engine.sim.options import SimOptions
-from engine.sim.record import Recorder
+from engine.sim.record import Recorder, Trace
 from engine.sim.scheduler import Scheduler
 
 OPTIONS = web.AppKey("options", SimOptions)
@@ -15,6 +17,6 @@ SCHEDULER = web.AppKey("scheduler", Scheduler)
 RECORDER = web.AppKey("recorder", Recorder)
 # SHA-256 digests of the accepted API keys (empty: no key required)
 KEY_DIGESTS = web.AppKey("key_digests", tuple)
-# request keys: the request's `record.Trace`, and its parsed JSON body once read
-TRACE = "sim_trace"
-JSON_BODY = "sim_json"
+# The `Trace` of the request being handled: set by the outermost middleware in the request's own
+# task, so the handler and everything it awaits see it.
+TRACE: ContextVar[Trace] = ContextVar("sim_trace")

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.sim.keys import JSON_BODY, KEY_DIGESTS, RECORDER, TRACE
+from engine.sim.keys import KEY_DIGESTS, RECORDER, TRACE
 from engine.sim.protocol import ApiError
 from engine.sim.record import Trace
 from engine.sim.wire import dumps
@@ -44,10 +44,9 @@ def _authorized(header: str | None, digests: Sequence[bytes]) -> bool:
     return match
 
 
-def _body_for_record(request: web.Request, raw: bytes) -> Any:
-    parsed = request.get(JSON_BODY)
-    if parsed is not None:
-        return parsed
+def _body_for_record(trace: Trace, raw: bytes) -> Any:
+    if trace.parsed:
+        return trace.body
     try:
         return json.loads(raw) if raw else None
     except (ValueError, UnicodeDecodeError):
@@ -60,7 +59,7 @@ async def record_middleware(
 ) -> web.StreamResponse:
     """Outermost: keep the request's `Trace` and write its `--record` line when it ends."""
     trace = Trace()
-    request[TRACE] = trace
+    TRACE.set(trace)
     recorder = request.app.get(RECORDER)
     raw = await request.read() if recorder is not None and request.can_read_body else b""
     try:
@@ -80,7 +79,7 @@ async def record_middleware(
                 method=request.method,
                 path=request.raw_path,
                 headers=dict(request.headers),
-                body=_body_for_record(request, raw),
+                body=_body_for_record(trace, raw),
                 trace=trace,
             )
 

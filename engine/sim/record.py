@@ -19,11 +19,14 @@ Outcome = Literal["finished", "aborted", "error"]
 
 @dataclass
 class Trace:
-    """What happened to one request, filled in by the handler as it goes."""
+    """What happened to one request, filled in by the handler as it goes; `body` holds the
+    JSON body once the handler has parsed it (`parsed` true)."""
 
     outcome: Outcome | None = None
     tokens_sent: int = 0
     status: int | None = None
+    body: Any = None
+    parsed: bool = False
 
 
 class Recorder:

@@ -9,7 +9,8 @@ Prompt tokens (what `usage.prompt_tokens` reports and the context check uses):
 Generated tokens: one token per stream delta chunk, and `usage.completion_tokens` counts them
 all, reasoning included, like vLLM. An answer is, in order:
 
-1. with thinking on: reasoning tokens (the last one is ``"\\n"``), then the ``</think>`` token;
+1. with thinking on: reasoning tokens (the last one is ``"\\n"``), then the ``</think>`` token
+   (an empty content delta; no chunk at all when the server has a tool parser, as in vLLM);
 2. ``"\\n\\n"`` (with thinking on), then the content tokens; or, with the `tool_calls` fault,
    per call one header token and one token per 5-character fragment of its JSON arguments;
 3. an end-of-sequence token (its delta is empty), whose presence means finish_reason `stop`.
