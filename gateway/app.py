@@ -37,6 +37,7 @@ from gateway.errors import (
     PayloadTooLarge,
 )
 from gateway.keys import KeySet, load_keys_file
+from gateway.logs import set_level
 from gateway.metrics import ROUTES, Metrics
 from gateway.ratelimit import RateLimiter, Reservation, create_rate_limiter
 from gateway.reload import Reloader
@@ -107,6 +108,8 @@ ADMISSION = web.AppKey("admission", AdmissionQueue)
 RELOADER = web.AppKey("reloader", Reloader)
 CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")
 STARTED = web.AppKey("started", float)
+INFO = web.RequestKey("info", RequestInfo)
+PRINCIPAL = web.RequestKey("principal", Principal)
 
 
 def build_live(settings: Settings, keys: KeySet, clock: Callable[[], float] = time.time) -> Live:
@@ -174,6 +177,7 @@ def create_app(
 
     def on_reload(new_settings: Settings, new_keys: KeySet) -> None:
         app[LIVE].current = build_live(new_settings, new_keys)
+        set_level(new_settings.logging.level)
         metrics.prime(new_settings.tenant_labels())
         metrics.keys_loaded.set(new_keys.key_count)
         if LIMITER in app:
@@ -294,6 +298,12 @@ async def _reloader_ctx(app: web.Application) -> AsyncIterator[None]:
 # ------------------------------------------------------------------------------- middlewares
 
 
+def _sane_request_id(value: str) -> bool:
+    """A client request id is kept when short and plain, and not shaped like a credential
+    (an ``sk-`` key or a JWT sent by mistake would otherwise reach logs and the engine)."""
+    return bool(_REQUEST_ID_RE.match(value)) and not value.startswith(("sk-", "eyJ"))
+
+
 def _route_label(request: web.Request) -> str:
     resource = request.match_info.route.resource
     canonical = resource.canonical if resource is not None else "other"
@@ -311,10 +321,10 @@ async def access_middleware(
     logged with status 499 (nginx's "client closed request").
     """
     supplied = request.headers.get("X-Request-Id", "")
-    request_id = supplied if _REQUEST_ID_RE.match(supplied) else uuid.uuid4().hex
+    request_id = supplied if _sane_request_id(supplied) else uuid.uuid4().hex
     clock = request.app[CLOCK]
     info = RequestInfo(request_id=request_id, started=clock(), route=_route_label(request))
-    request["info"] = info
+    request[INFO] = info
     structlog.contextvars.bind_contextvars(request_id=request_id)
     response: web.StreamResponse | None = None
     try:
@@ -409,14 +419,14 @@ async def auth_middleware(
     """
     if request.path in PUBLIC_PATHS:
         return await handler(request)
-    info: RequestInfo = request["info"]
+    info: RequestInfo = request[INFO]
     live = request.app[LIVE].current
     try:
         principal = live.auth.authenticate(request.headers.get("Authorization"))
     except GatewayError as exc:
         request.app[METRICS].auth_failures.labels(exc.reason).inc()
         raise
-    request["principal"] = principal
+    request[PRINCIPAL] = principal
     info.tenant = live.settings.tenant_label(principal.tenant)
     info.key_id = principal.key_id
     return await handler(request)
@@ -478,7 +488,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def _limit_headers(request: web.Request) -> dict[str, str]:
-    principal: Principal = request["principal"]
+    principal: Principal = request[PRINCIPAL]
     tenant = request.app[LIVE].current.settings.tenant(principal.tenant)
     return await request.app[LIMITER].headers(tenant)
 
@@ -530,10 +540,10 @@ class _Outcome:
 
 async def _proxy(request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
     app = request.app
-    info: RequestInfo = request["info"]
+    info: RequestInfo = request[INFO]
     live = app[LIVE].current
     settings = live.settings
-    principal: Principal = request["principal"]
+    principal: Principal = request[PRINCIPAL]
     tenant = settings.tenant(principal.tenant)
 
     raw = await read_body(request, settings.server.max_body_bytes)
@@ -620,7 +630,7 @@ async def _admitted(
 ) -> web.StreamResponse:
     """Wait for an engine slot (with ``: queued`` comments for long-waiting streams), then call."""
     app = request.app
-    info: RequestInfo = request["info"]
+    info: RequestInfo = request[INFO]
     settings = app[LIVE].current.settings
     sse: web.StreamResponse | None = None
     try:
@@ -654,7 +664,7 @@ async def _admitted(
 async def _start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
     """Send the SSE response headers: no buffering by proxies, no compression (case C01)."""
     response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
-    response.headers["x-request-id"] = request["info"].request_id
+    response.headers["x-request-id"] = request[INFO].request_id
     await response.prepare(request)
     return response
 
@@ -698,7 +708,7 @@ async def _call_engine(
     (``queued_budget`` seconds); a fresh one gets 503 at once.
     """
     app = request.app
-    info: RequestInfo = request["info"]
+    info: RequestInfo = request[INFO]
     client = app[ENGINE]
     state = app[ENGINE_STATE]
     clock = app[CLOCK]
@@ -825,7 +835,7 @@ async def _relay_stream(
 ) -> web.StreamResponse:
     """Forward the engine's SSE as it arrives: one client write per engine read (case C01)."""
     app = request.app
-    info: RequestInfo = request["info"]
+    info: RequestInfo = request[INFO]
     settings = app[LIVE].current.settings
     client = app[ENGINE]
     metrics = app[METRICS]

@@ -328,6 +328,14 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
         tenants[tname] = _build(TenantSettings, table, f"tenants.{tname}", base=base)
 
     settings = Settings(**sections, tenants=MappingProxyType(tenants), source=source)
+    server, metrics = settings.server, settings.metrics
+    if metrics.enabled and metrics.port == server.port and (
+        metrics.host == server.host or "0.0.0.0" in (metrics.host, server.host)
+    ):
+        raise ConfigError(
+            f"metrics.port = {metrics.port}: must differ from server.port (the metrics listener "
+            "is never on the public port)"
+        )
     if settings.engine.model == "" or settings.model.alias == "":
         raise ConfigError("engine.model and model.alias must not be empty")
     return settings

@@ -163,3 +163,10 @@ def test_bad_json_and_wrong_method(stack: Gateway) -> None:
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(stack.url("/v1/chat/completions"), headers=h)
     assert r.status_code == 405 and "error" in r.json()
+
+
+def test_credential_shaped_request_id_replaced(stack: Gateway) -> None:
+    """A key sent as x-request-id by mistake is neither echoed nor forwarded nor logged."""
+    r = httpx.get(stack.url("/health"), headers={"X-Request-Id": KEY_A})
+    assert r.headers["x-request-id"] != KEY_A
+    assert KEY_A not in stack.log_path.read_text()
