@@ -18,10 +18,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from gateway.config import read_toml
+
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    pass
 
 DEFAULT_CONFIG_PATH = "/etc/qwen38/engine.toml"
 CONFIG_ENV = "QWEN38_ENGINE_CONFIG"
@@ -459,16 +461,9 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
             message starts with the file name.
     """
     chosen = Path(path)
-    try:
-        raw = chosen.read_bytes()
-    except FileNotFoundError:
+    data = read_toml(chosen, ConfigError)
+    if data is None:
         return Settings(source=None)
-    except OSError as exc:
-        raise ConfigError(f"{chosen}: cannot read ({exc.strerror})") from exc
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{chosen}: not valid TOML: {exc}") from exc
     try:
         return parse_settings(data, source=str(chosen))
     except ConfigError as exc:

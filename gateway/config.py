@@ -329,8 +329,10 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
 
     settings = Settings(**sections, tenants=MappingProxyType(tenants), source=source)
     server, metrics = settings.server, settings.metrics
-    if metrics.enabled and metrics.port == server.port and (
-        metrics.host == server.host or "0.0.0.0" in (metrics.host, server.host)
+    if (
+        metrics.enabled
+        and metrics.port == server.port
+        and (metrics.host == server.host or "0.0.0.0" in (metrics.host, server.host))
     ):
         raise ConfigError(
             f"metrics.port = {metrics.port}: must differ from server.port (the metrics listener "
@@ -339,6 +341,24 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
     if settings.engine.model == "" or settings.model.alias == "":
         raise ConfigError("engine.model and model.alias must not be empty")
     return settings
+
+
+def read_toml(path: Path, error: type[Exception]) -> dict[str, Any] | None:
+    """Parse a TOML file; None when it does not exist (a missing file means all defaults).
+
+    Raises:
+        error: the file cannot be read, is not UTF-8 or is not valid TOML (message names it).
+    """
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror})") from exc
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: not valid TOML: {exc}") from exc
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
@@ -352,16 +372,9 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         ConfigError: the file is not valid TOML or fails `parse_settings`.
     """
     chosen = Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
-    try:
-        raw = chosen.read_bytes()
-    except FileNotFoundError:
+    data = read_toml(chosen, ConfigError)
+    if data is None:
         return Settings(source=None)
-    except OSError as exc:
-        raise ConfigError(f"{chosen}: cannot read ({exc.strerror})") from exc
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{chosen}: not valid TOML: {exc}") from exc
     try:
         return parse_settings(data, source=str(chosen))
     except ConfigError as exc:

@@ -34,27 +34,10 @@ from gateway.metrics import (
     Metrics,
 )
 from tests.conftest import DEFAULT_KEYS, write_keys
+from tests.test_prometheus_rules import CONTRACT_METRICS
 
 # DESIGN section 7, then the documented extensions: exposed name -> (type, label names).
-CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
-    "gateway_requests_total": ("counter", ("tenant", "route", "code")),
-    "gateway_request_duration_seconds": ("histogram", ("tenant", "route")),
-    "gateway_time_to_first_token_seconds": ("histogram", ("tenant",)),
-    "gateway_tokens_total": ("counter", ("tenant", "type")),
-    "gateway_requests_in_flight": ("gauge", ("tenant",)),
-    "gateway_queue_depth": ("gauge", ()),
-    "gateway_queue_wait_seconds": ("histogram", ("tenant",)),
-    "gateway_rate_limited_total": ("counter", ("tenant", "limit")),
-    "gateway_auth_failures_total": ("counter", ("reason",)),
-    "gateway_client_disconnects_total": ("counter", ("tenant",)),
-    "gateway_upstream_errors_total": ("counter", ("kind",)),
-    "gateway_engine_up": ("gauge", ()),
-    "gateway_keys_loaded": ("gauge", ()),
-    "gateway_config_reloads_total": ("counter", ("result",)),
-    "gateway_engine_ready": ("gauge", ()),
-    "gateway_engine_scrape_ok": ("gauge", ()),
-    "gateway_ratelimit_backend_up": ("gauge", ("backend",)),
-}
+CONTRACT = {k: v for k, v in CONTRACT_METRICS.items() if k.startswith("gateway_")}
 
 ENGINE_TEXT = """\
 # HELP python_gc_objects_collected_total Objects collected during gc
