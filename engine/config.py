@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +18,6 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from gateway.config import read_toml
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - Python 3.10
-    pass
 
 DEFAULT_CONFIG_PATH = "/etc/qwen38/engine.toml"
 CONFIG_ENV = "QWEN38_ENGINE_CONFIG"
