@@ -23,7 +23,10 @@ def demo_settings(workdir: Path, host: str, port: int, metrics_port: int) -> Set
             "metrics": {"host": "127.0.0.1", "port": metrics_port},
             "engine": {"socket": str(workdir / "engine.sock"), "health_interval_s": 0.5},
             "auth": {"keys_file": str(workdir / "api-keys.env")},
-            "tenants": {"default": {"rpm": 600, "tpm": 2_000_000, "concurrency": 8}},
+            "tenants": {
+                "default": {"rpm": 600, "tpm": 2_000_000, "concurrency": 8},
+                "demo": {},
+            },
         },
         source=None,
     )
@@ -72,7 +75,7 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
             print("qwen38-gateway demo: the engine simulator did not start", file=sys.stderr)
             return 1
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        _print_examples(base, settings.model.alias, secret, metrics_port)
+        _print_examples(base, settings.model.alias, secret, metrics_port, keys_file)
         configure_logging("info")
         install_uvloop()
         try:
@@ -88,11 +91,13 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _print_examples(base: str, alias: str, secret: str, metrics_port: int) -> None:
+def _print_examples(base: str, alias: str, secret: str, metrics_port: int, keys_file: Path) -> None:
     print(
         f"""
 qwen38-gateway demo: engine simulator + gateway on {base}
-API key (demo tenant): {secret}
+API key (tenant "demo", 600 requests and 2,000,000 tokens a minute): {secret}
+Keys file (removed on exit): {keys_file}
+  try: qwen38-gateway keys add --tenant demo --keys-file {keys_file}
 
 curl (streaming, thinking on by default):
   curl -N {base}/v1/chat/completions \\

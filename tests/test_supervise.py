@@ -174,9 +174,14 @@ def launch(workdir: Path) -> Iterator[Callable[..., Launcher]]:
     yield factory
     for launcher in started:
         if launcher.proc.poll() is None:
-            launcher.proc.kill()
-            launcher.proc.wait(10)
-        for pid in launcher.engine_pids:
+            launcher.proc.terminate()
+            try:
+                launcher.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                launcher.proc.kill()
+                launcher.proc.wait(10)
+        spawned = {int(e["pid"]) for e in launcher.logs() if e.get("event") == "spawn"}
+        for pid in spawned | set(launcher.engine_pids):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         launcher.notify.close()
