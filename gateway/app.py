@@ -881,8 +881,7 @@ async def _relay_stream(
             outcome.completion_tokens = state.usage.completion_tokens
         if failure is not None:
             return await _end_with_error(sse, info, failure)
-        await sse.write(tail)
-        await sse.write_eof()
+        await sse.write_eof(tail)  # the last chunk and the terminator in one write
     except ConnectionResetError:
         return _client_gone(request, sse, info)
     info.status = 200
