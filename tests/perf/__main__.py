@@ -5,7 +5,7 @@ Sections (``--only`` picks some; default all but ``profile``):
 - ``fast``: simulator at 0 ms per token, 256 tokens an answer; c = 1, 32, 256;
 - ``paced``: 25 ms per token (40 tokens/s), 64 tokens; c = 1, 32, 64, 256;
 - ``limits``: adds the gateway with its rate limiter off to the ``fast`` rows;
-- ``slow``: 2,000 streams at 1 token/s held for 20 s (RSS and added stall);
+- ``slow``: 2,000 streams at 1 token/s, opened over 5 s, 25 s each (RSS and added stall);
 - ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised.
 
 Each of direct, nginx and gateway is measured in turn at each concurrency, the sequence repeated
@@ -39,7 +39,7 @@ FAST = Profile("fast", "0 ms per token, 256 tokens an answer", 0.0, 256, (1, 32,
 PACED = Profile("paced", "25 ms per token (40 tokens/s), 64 tokens", 40.0, 64, (1, 32, 64, 256))
 SECTIONS = ("fast", "paced", "limits", "slow")
 EXTRA_SECTIONS = ("profile",)
-SLOW_STREAMS, SLOW_TOKENS = 2000, 20
+SLOW_STREAMS, SLOW_TOKENS = 2000, 25
 QUICK_SLOW_STREAMS, QUICK_SLOW_TOKENS = 500, 8
 
 
@@ -90,7 +90,7 @@ def run_profile_section(workdir: Path, quick: bool) -> str:
     binary = find_py_spy()
     if binary is None:
         return "py-spy not installed (pip install py-spy): profile skipped"
-    with run_stack(workdir / "profile", FAST, nginx_binary=None, limits_off=False) as stack:
+    with run_stack(workdir / "profile", FAST, nginx_binary=None) as stack:
         sim, targets = stack
         gateway = next(t for t in targets if t.name == "gateway")
         out = workdir / "gateway-profile.txt"
@@ -134,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
             if not wanted:
                 continue
             full = profile.name in only
-            limits_off = profile is FAST and "limits" in only
+            variants = ("gateway-limits-off",) if profile is FAST and "limits" in only else ()
             _progress(f"starting {profile.name}: {profile.description}")
             with run_stack(
                 workdir / profile.name,
                 profile,
                 nginx_binary=nginx_binary if full else None,
-                limits_off=limits_off,
+                variants=variants,
             ) as (sim, targets):
                 if not full:
                     targets = [t for t in targets if t.name.startswith("gateway")]

@@ -17,9 +17,10 @@ from tests.perf.loadgen import LoadSpec
 from tests.perf.procstat import memory_kib, reset_peak
 from tests.perf.stacks import Profile, Target, request_body, run_stack
 
-# Connections are opened over this many seconds rather than in one burst (a listen backlog of
-# 128, aiohttp's default, would otherwise drop SYNs and add 1 s retransmits to TTFT).
-RAMP_S = 2.0
+# Streams are opened over this many seconds (400 a second for 2,000) rather than in one burst:
+# a burst would overflow aiohttp's listen backlog of 128 (1 s SYN retransmits) and measure the
+# cost of accepting 2,000 requests at once rather than the holding of open streams.
+RAMP_S = 5.0
 
 
 @dataclass
@@ -30,7 +31,8 @@ class SlowResult:
         added_stall_max: the longest gap between two events of any stream, minus the engine's
             1,000 ms spacing.
         added_stall_p99: the same for the 99th percentile stream.
-        rss_before, peak_rss: the target's resident memory before the streams and at peak.
+        rss_before, peak_rss: the target's resident memory before the first run (freed memory
+            stays with the process, so later runs start higher) and at this run's peak.
         per_stream_kib: (peak - before) / streams.
         cpu_per_1k: the target's CPU ms per 1,000 chunks (one chunk per engine write here).
     """
@@ -48,12 +50,14 @@ class SlowResult:
     cpu_per_1k: float
 
 
-def measure_slow(target: Target, streams: int, tokens: int) -> SlowResult:
-    """Open ``streams`` streams of ``tokens`` tokens at 1 token/s through ``target``; measure."""
-    before = peak = 0.0
+def measure_slow(target: Target, streams: int, tokens: int, before: float) -> SlowResult:
+    """Open ``streams`` streams of ``tokens`` tokens at 1 token/s through ``target``; measure.
+
+    ``before`` is the target's RSS in MiB before any stream was opened (0 for ``direct``).
+    """
+    peak = 0.0
     if target.rss_pid:
         reset_peak(target.rss_pid)
-        before = memory_kib(target.rss_pid)["VmRSS"] / 1024
     spec = LoadSpec(
         url=target.url,
         path=CHAT_PATH,
@@ -61,7 +65,7 @@ def measure_slow(target: Target, streams: int, tokens: int) -> SlowResult:
         body=request_body(tokens * 2),
         concurrency=streams,
         requests=streams,
-        time_limit_s=RAMP_S + 5,
+        time_limit_s=RAMP_S + 10,
         request_timeout_s=tokens + 60,
         warmup=False,
         ramp_s=RAMP_S,
@@ -95,13 +99,26 @@ def run_slow(
     rounds: int,
     progress: Callable[[str], None],
 ) -> list[SlowResult]:
-    """``rounds`` x (direct, gateway) slow-stream runs against one simulator at 1 token/s."""
+    """``rounds`` x (direct, gateway, gateway-gc-tuned) runs against one simulator at 1 token/s.
+
+    The simulator runs with its garbage collector off: its full collections with 2,000 open
+    streams pause every stream for about 120 ms, which would hide the gateway's own stalls.
+    """
     profile = Profile("slow", f"1 token/s, {tokens} tokens", 1.0, tokens, (streams,))
     results: list[SlowResult] = []
-    with run_stack(workdir, profile, nginx_binary=None, limits_off=False) as (_, targets):
+    with run_stack(
+        workdir,
+        profile,
+        nginx_binary=None,
+        variants=("gateway-gc-tuned",),
+        engine_gc_off=True,
+    ) as (_, targets):
+        before = {
+            t.name: memory_kib(t.rss_pid)["VmRSS"] / 1024 if t.rss_pid else 0.0 for t in targets
+        }
         for round_no in range(1, rounds + 1):
             for target in targets:
-                result = measure_slow(target, streams, tokens)
+                result = measure_slow(target, streams, tokens, before[target.name])
                 results.append(result)
                 progress(
                     f"round {round_no}/{rounds} slow {target.name}: {result.ok}/{streams} ok, "

@@ -5,7 +5,8 @@ Targets, all reaching the same simulator socket:
 - ``direct``: the load generator talks to the simulator's Unix socket itself (the baseline);
 - ``nginx``: nginx 1.x, one worker, ``proxy_buffering off`` (`tests.perf.nginx`);
 - ``gateway``: ``qwen38-gateway serve`` with auth, memory rate limits, rewrites and metrics on;
-- ``gateway-limits-off``: the same with the rate limiter admitting everything (`tests.perf.nolimits`).
+- ``gateway-limits-off``: the same with the rate limiter admitting everything (`tests.perf.nolimits`);
+- ``gateway-gc-tuned``: the same under other garbage-collector thresholds (`tests.perf.gcpolicy`).
 
 The gateway config is production's except where the benchmark would measure something else:
 ``engine.max_concurrency`` 4096 (production: 1, one V100) so the admission queue does not
@@ -114,17 +115,26 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(5)
 
 
-def _variant_gateway(workdir: Path, config_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `tests.perf.nolimits` with a copy of ``config_path`` on fresh ports."""
+# Gateway variants started beside the real one: name -> the command before ``--config FILE``.
+VARIANTS: dict[str, list[str]] = {
+    "gateway-limits-off": ["-m", "tests.perf.nolimits"],
+    "gateway-gc-tuned": ["-m", "tests.perf.gcpolicy", "tuned", "gateway", "serve"],
+}
+
+
+def _variant_gateway(
+    workdir: Path, config_path: Path, name: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start variant ``name`` of `VARIANTS` with a copy of ``config_path`` on fresh ports."""
     config = tomllib.loads(config_path.read_text())
     port = free_port()
     config["server"]["port"] = port
     config["metrics"]["port"] = free_port()
-    path = workdir / "gw-nolimits.toml"
+    path = workdir / f"{name}.toml"
     path.write_text(to_toml(config))
-    log = open(workdir / "gw-nolimits.log", "wb")  # noqa: SIM115 - closed with the process
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.perf.nolimits", "--config", str(path)],
+        [sys.executable, *VARIANTS[name], "--config", str(path)],
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=REPO,
@@ -134,15 +144,41 @@ def _variant_gateway(workdir: Path, config_path: Path) -> tuple[subprocess.Popen
 
     def ready() -> bool:
         if proc.poll() is not None:
-            raise RuntimeError("limits-off gateway exited; see gw-nolimits.log")
+            raise RuntimeError(f"{name} exited; see {name}.log")
         with contextlib.suppress(httpx.HTTPError):
             return httpx.get(url + "/ready", timeout=1).status_code == 200
         return False
 
     if not wait_until(ready, 20):
         _terminate(proc)
-        raise RuntimeError("limits-off gateway did not become ready")
+        raise RuntimeError(f"{name} did not become ready")
     return proc, url
+
+
+def start_engine(workdir: Path, profile: Profile, max_num_seqs: int, *, gc_off: bool) -> Sim:
+    """The simulator for ``profile`` (`tests.conftest.start_sim`), or with its collector off.
+
+    Raises:
+        RuntimeError: it did not create its socket within 15 s.
+    """
+    extra = [
+        "--tokens-per-second", str(profile.tokens_per_second),
+        "--completion-tokens", str(profile.completion_tokens),
+        "--max-num-seqs", str(max_num_seqs),
+    ]  # fmt: skip
+    if not gc_off:
+        return start_sim(workdir, *extra, name=profile.name)
+    sock = str(workdir / f"{profile.name}.sock")
+    record = workdir / f"{profile.name}-record.jsonl"
+    args = [
+        sys.executable, "-m", "tests.perf.gcpolicy", "off", "engine.sim",
+        "--socket", sock, "--served-model-name", ALIAS, "--record", str(record), *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=REPO)
+    if not wait_until(lambda: Path(sock).exists(), 15):
+        _terminate(proc)
+        raise RuntimeError("simulator did not start")
+    return Sim(socket=sock, record=record, proc=proc, args=args)
 
 
 @contextlib.contextmanager
@@ -151,21 +187,21 @@ def run_stack(
     profile: Profile,
     *,
     nginx_binary: str | None,
-    limits_off: bool,
+    variants: tuple[str, ...] = (),
+    engine_gc_off: bool = False,
     max_num_seqs: int = 4096,
 ) -> Iterator[tuple[Sim, list[Target]]]:
     """Start the simulator for ``profile`` and every target in front of it; stop all on exit.
 
-    Yields the simulator and the targets in row order (direct, nginx, gateway, limits off).
+    Args:
+        nginx_binary: nginx to start as a target, or None for no nginx row.
+        variants: names from `VARIANTS` to start beside the gateway.
+        engine_gc_off: run the simulator with its garbage collector off (`tests.perf.gcpolicy`).
+
+    Yields the simulator and the targets in row order (direct, nginx, gateway, variants).
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    sim = start_sim(
-        workdir,
-        "--tokens-per-second", str(profile.tokens_per_second),
-        "--completion-tokens", str(profile.completion_tokens),
-        "--max-num-seqs", str(max_num_seqs),
-        name=profile.name,
-    )  # fmt: skip
+    sim = start_engine(workdir, profile, max_num_seqs, gc_off=engine_gc_off)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with contextlib.ExitStack() as stack:
@@ -184,12 +220,10 @@ def run_stack(
             procs.append(gw.proc)
             auth = {"Authorization": f"Bearer {KEY_A}"}
             targets.append(Target("gateway", gw.base_url, auth, [gw.proc.pid], rss_pid=gw.proc.pid))
-            if limits_off:
-                proc, url = _variant_gateway(workdir, gw.config_path)
+            for name in variants:
+                proc, url = _variant_gateway(workdir, gw.config_path, name)
                 procs.append(proc)
-                targets.append(
-                    Target("gateway-limits-off", url, auth, [proc.pid], rss_pid=proc.pid)
-                )
+                targets.append(Target(name, url, auth, [proc.pid], rss_pid=proc.pid))
             yield sim, targets
     finally:
         for proc in procs:

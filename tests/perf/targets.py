@@ -101,6 +101,7 @@ def verdicts(rows: list[Row], slow: list[SlowResult]) -> list[Verdict]:
         peak = max(r.peak_rss for r in slow_gw)
         stall = max(r.added_stall_max for r in slow_gw)
         direct = [r.added_stall_max for r in slow if r.target == "direct"]
+        tuned = [r.added_stall_max for r in slow if r.target == "gateway-gc-tuned"]
         streams = min(r.peak_open for r in slow_gw)
         out.append(
             Verdict(
@@ -114,7 +115,8 @@ def verdicts(rows: list[Row], slow: list[SlowResult]) -> list[Verdict]:
                 f"{slow_gw[0].streams} slow streams: added stall <= 50 ms",
                 stall <= SLOW_STALL_MS,
                 f"worst gap beyond 1 s through the gateway {stall:.1f} ms"
-                + (f" (direct to the engine {max(direct):.1f} ms)" if direct else ""),
+                + (f"; direct to the engine {max(direct):.1f} ms" if direct else "")
+                + (f"; gateway with gc thresholds tuned {max(tuned):.1f} ms" if tuned else ""),
             )
         )
     pairs = []
