@@ -22,6 +22,8 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,6 +37,7 @@ from gateway.errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
 )
 from gateway.keys import KeySet, load_keys_file
 from gateway.logs import set_level
@@ -506,11 +509,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _proxy(request, "completions", "/v1/completions")
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, idle_timeout: float) -> bytes:
     """The request body, reading no further than ``limit`` bytes (case C16).
 
     Raises:
-        PayloadTooLarge: ``Content-Length`` or the bytes received exceed ``limit``.
+        PayloadTooLarge: ``Content-Length`` or the bytes received exceed ``limit`` (after any
+            ``Content-Encoding`` is undone, so a compression bomb stops at the limit too).
+        RequestTimeout: no byte arrived for ``idle_timeout`` seconds.
+        BadRequest: the body does not match its ``Content-Encoding``.
     """
     too_large = PayloadTooLarge(f"Request body too large: the limit is {limit} bytes.")
     if request.content_length is not None and request.content_length > limit:
@@ -518,7 +524,17 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
-        chunk = await request.content.readany()
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), idle_timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(
+                f"The request body stopped arriving for {idle_timeout:g} s.",
+                headers={"Connection": "close"},
+            ) from None
+        except (HttpProcessingError, RequestPayloadError):
+            raise BadRequest(
+                "The request body could not be decoded with its Content-Encoding."
+            ) from None
         if not chunk:
             break
         size += len(chunk)
@@ -526,6 +542,28 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> Any:
+    """``json.loads`` hook: ``NaN`` and ``Infinity`` are not JSON (RFC 8259 section 6)."""
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def parse_body(raw: bytes) -> Any:
+    """Parse a request body as strict JSON.
+
+    Raises:
+        BadRequest: not UTF-8 JSON, a non-finite number literal, or nested too deeply.
+    """
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise BadRequest("The JSON body is nested too deeply.") from None
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest(
+            "We could not parse the JSON body of your request. "
+            "(HINT: This likely means you aren't using your HTTP library correctly.)"
+        ) from None
 
 
 @dataclass
@@ -546,22 +584,18 @@ async def _proxy(request: web.Request, kind: Kind, path: str) -> web.StreamRespo
     principal: Principal = request[PRINCIPAL]
     tenant = settings.tenant(principal.tenant)
 
-    raw = await read_body(request, settings.server.max_body_bytes)
+    raw = await read_body(request, settings.server.max_body_bytes, settings.server.body_timeout_s)
     try:
-        parsed = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest(
-            "We could not parse the JSON body of your request. "
-            "(HINT: This likely means you aren't using your HTTP library correctly.)"
-        ) from None
-    plan = plan_request(
-        parsed,
-        kind,
-        settings=settings,
-        tenant=tenant,
-        request_id=info.request_id,
-        salt_secret=live.salt_secret,
-    )
+        plan = plan_request(
+            parse_body(raw),
+            kind,
+            settings=settings,
+            tenant=tenant,
+            request_id=info.request_id,
+            salt_secret=live.salt_secret,
+        )
+    except RecursionError:
+        raise BadRequest("The JSON body is nested too deeply.") from None
     info.stream = plan.stream
     info.thinking = plan.thinking
 
@@ -640,7 +674,7 @@ async def _admitted(
             while not granted:
                 if sse is None:
                     sse = await _start_sse(request, reservation.headers)
-                await sse.write(_QUEUED_COMMENT)
+                await _send(request, sse, _QUEUED_COMMENT)
                 granted = await ticket.wait(_QUEUED_COMMENT_EVERY_S)
         else:
             await ticket.wait(None)
@@ -650,11 +684,11 @@ async def _admitted(
             if not await state.wait_ready(remaining):
                 raise state.unavailable()
     except GatewayError as exc:
-        if isinstance(exc, (BadRequest,)) or sse is None:
+        if sse is None:
             raise
         return await _end_with_error(sse, info, exc)
-    except ConnectionResetError:
-        return _client_gone(request, sse, info)
+    except ConnectionResetError as exc:
+        return _client_gone(request, sse, info, isinstance(exc, ClientStalled))
     queued_budget = 0.0
     if ticket.waited_s > 0:
         queued_budget = max(0.0, settings.engine.queue_timeout_s - ticket.waited_s)
@@ -667,6 +701,31 @@ async def _start_sse(request: web.Request, headers: dict[str, str]) -> web.Strea
     response.headers["x-request-id"] = request[INFO].request_id
     await response.prepare(request)
     return response
+
+
+class ClientStalled(ConnectionResetError):
+    """The client left a stream unread longer than ``server.client_write_timeout_s``."""
+
+
+async def _send(request: web.Request, sse: web.StreamResponse, data: bytes) -> None:
+    """Write to a stream; a client that stops reading counts as gone after the write timeout.
+
+    The timer is armed only when data already waits in the socket's user-space buffer (the
+    client is behind), so a client that keeps up costs one plain write.
+
+    Raises:
+        ConnectionResetError: the client went away (`ClientStalled` when it stopped reading).
+    """
+    transport = request.transport
+    if transport is None or not transport.get_write_buffer_size():
+        await sse.write(data)
+        return
+    timeout = request.app[LIVE].current.settings.server.client_write_timeout_s
+    try:
+        await asyncio.wait_for(sse.write(data), timeout)
+    except asyncio.TimeoutError:
+        transport.abort()
+        raise ClientStalled(f"client did not read for {timeout:g} s") from None
 
 
 async def _end_with_error(
@@ -684,10 +743,13 @@ async def _end_with_error(
 
 
 def _client_gone(
-    request: web.Request, sse: web.StreamResponse | None, info: RequestInfo
+    request: web.Request,
+    sse: web.StreamResponse | None,
+    info: RequestInfo,
+    stalled: bool = False,
 ) -> web.StreamResponse:
     info.status = 499
-    info.reason = "client_disconnect"
+    info.reason = "client_stalled" if stalled else "client_disconnect"
     request.app[METRICS].client_disconnects.labels(info.tenant).inc()
     return sse if sse is not None else web.Response(status=499)
 
@@ -858,7 +920,7 @@ async def _relay_stream(
                     if info.ttft_s is None and state.events:
                         info.ttft_s = clock() - info.started
                         metrics.ttft.labels(info.tenant).observe(info.ttft_s)
-                    await sse.write(out)
+                    await _send(request, sse, out)
         except asyncio.TimeoutError as exc:
             failure = client.error("timeout", exc)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
@@ -882,7 +944,7 @@ async def _relay_stream(
         if failure is not None:
             return await _end_with_error(sse, info, failure)
         await sse.write_eof(tail)  # the last chunk and the terminator in one write
-    except ConnectionResetError:
-        return _client_gone(request, sse, info)
+    except ConnectionResetError as exc:
+        return _client_gone(request, sse, info, isinstance(exc, ClientStalled))
     info.status = 200
     return sse

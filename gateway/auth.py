@@ -5,6 +5,7 @@ from __future__ import annotations
 import binascii
 import hmac
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,7 +129,7 @@ class Authenticator:
             raise InvalidApiKey("bad_signature") from None
         except jwt.InvalidAlgorithmError:
             raise InvalidApiKey("bad_algorithm") from None
-        except jwt.DecodeError:
+        except (jwt.DecodeError, RecursionError):
             raise InvalidApiKey("malformed") from None
         except jwt.InvalidTokenError:
             raise InvalidApiKey("bad_claims") from None
@@ -153,7 +154,7 @@ class Authenticator:
 def _number(claims: dict[str, Any], name: str, default: float | None = None) -> float:
     """A NumericDate claim (RFC 7519 section 2); ``bad_claims`` when absent or not a number."""
     value = claims.get(name, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise InvalidApiKey("bad_claims")
     return value
 
@@ -162,7 +163,7 @@ def _jwt_header(token: str) -> dict[str, Any] | None:
     """The decoded JOSE header of a compact JWS, or None when it does not look like one."""
     try:
         header = json.loads(b64url_decode(token.partition(".")[0]))
-    except (ValueError, binascii.Error, UnicodeDecodeError):
+    except (ValueError, binascii.Error, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(header, dict) or not isinstance(header.get("alg"), str):
         return None

@@ -25,7 +25,7 @@ else:  # pragma: no cover - Python 3.10
 
 DEFAULT_CONFIG_PATH = "/etc/qwen38/gateway.toml"
 CONFIG_ENV = "QWEN38_GATEWAY_CONFIG"
-TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TENANT_NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 DEFAULT_TENANT = "default"
 UNKNOWN_TENANT = "unknown"
 
@@ -40,12 +40,22 @@ class ServerSettings:
 
     ``max_body_bytes`` defaults to 32 MiB: a 254,976-token prompt is about 1 MB of text, so this
     leaves room for JSON escaping (CJK as ``\\uXXXX`` is 6 bytes a character) and tool schemas.
+
+    The three timeouts protect the listener, which faces clients directly (seconds):
+    ``keepalive_timeout_s`` closes a connection that sends no complete request line and headers
+    for that long (idle keep-alive, slowloris); ``body_timeout_s`` is the longest pause while a
+    body uploads (then 408); ``client_write_timeout_s`` the longest a client may leave a stream
+    unread before it counts as gone (499) and its engine request is aborted, so a stalled reader
+    cannot hold the engine's only slot. nginx uses 60 s for the same three.
     """
 
     host: str = "0.0.0.0"
     port: int = 8000
     max_body_bytes: int = 33_554_432
     shutdown_grace_s: float = 30.0
+    keepalive_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    client_write_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -220,6 +230,9 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.port": (1, 65535),
     "server.max_body_bytes": (1024, 1 << 31),
     "server.shutdown_grace_s": (0, 3600),
+    "server.keepalive_timeout_s": (1, 3600),
+    "server.body_timeout_s": (0.1, 3600),
+    "server.client_write_timeout_s": (0.1, 3600),
     "metrics.port": (1, 65535),
     "metrics.engine_scrape_timeout_s": (0.05, 60),
     "metrics.engine_scrape_cache_s": (0, 60),

@@ -126,6 +126,15 @@ class MethodNotAllowed(GatewayError):
     reason = "method_not_allowed"
 
 
+class RequestTimeout(GatewayError):
+    """408: the client paused its upload longer than ``server.body_timeout_s``."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    reason = "body_timeout"
+
+
 class PayloadTooLarge(GatewayError):
     """413: the body exceeds ``server.max_body_bytes``; it was read no further than the limit."""
 

@@ -99,16 +99,31 @@ def estimate_prompt_tokens(body: Mapping[str, Any], kind: Kind) -> int:
 
 
 def _text_bytes(value: Any) -> int:
-    """UTF-8 size of the text in a content value (string, parts list, or any JSON)."""
-    if value is None:
-        return 0
-    if isinstance(value, str):
-        return len(value.encode("utf-8", "surrogatepass"))
-    if isinstance(value, list):
-        return sum(
-            _text_bytes(part.get("text") if isinstance(part, dict) else part) for part in value
-        )
-    return len(json.dumps(value))
+    """UTF-8 size of the text in a content value (string, parts list, or any JSON).
+
+    In a parts list only the ``text`` of each part counts (an image URL is not prompt text);
+    other objects (tool schemas) count their keys and values. Iterative, so any nesting the
+    JSON parser accepted is measured without recursion.
+    """
+    total = 0
+    stack: list[tuple[Any, bool]] = [(value, True)]
+    while stack:
+        item, parts = stack.pop()
+        if isinstance(item, str):
+            total += len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, list):
+            for part in item:
+                if parts and isinstance(part, dict):
+                    stack.append((part.get("text"), False))
+                else:
+                    stack.append((part, False))
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                total += len(key)
+                stack.append((inner, False))
+        elif item is not None:
+            total += len(str(item))
+    return total
 
 
 def resolve_thinking(body: Mapping[str, Any], settings: Settings, tenant: TenantSettings) -> bool:

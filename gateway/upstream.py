@@ -130,8 +130,10 @@ class EngineClient:
     async def post(self, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
         """POST a JSON body; return the response with its headers read and its body unread.
 
-        A pooled connection the engine closed meanwhile fails before any byte of the answer;
-        such a request is retried once on a new connection (vllm-protocol.md section 11, item 5).
+        Never retried: a connection that drops may have carried a whole generation, and running
+        it twice costs the one-sequence engine minutes. The race a retry would cover (the
+        engine closing an idle pooled connection as it is reused) is avoided instead by closing
+        idle connections after ``pool_idle_s``, below the engine's 5 s keep-alive.
 
         Raises:
             EngineUnavailable: the socket refuses or does not exist (engine down or loading).
@@ -143,21 +145,16 @@ class EngineClient:
             "Accept": "application/json, text/event-stream",
             "X-Request-Id": request_id,
         }
-        for attempt in (1, 2):
-            try:
-                return await self.session.post(
-                    f"http://engine{path}", data=body, headers=headers, compress=False
-                )
-            except aiohttp.ServerDisconnectedError as exc:
-                if attempt == 2:
-                    raise self.error("disconnect", exc) from exc
-            except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as exc:
-                raise self.error("connect", exc) from exc
-            except asyncio.TimeoutError as exc:
-                raise self.error("timeout", exc) from exc
-            except aiohttp.ClientError as exc:
-                raise self.error("disconnect", exc) from exc
-        raise AssertionError("unreachable")
+        try:
+            return await self.session.post(
+                f"http://engine{path}", data=body, headers=headers, compress=False
+            )
+        except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as exc:
+            raise self.error("connect", exc) from exc
+        except asyncio.TimeoutError as exc:
+            raise self.error("timeout", exc) from exc
+        except aiohttp.ClientError as exc:
+            raise self.error("disconnect", exc) from exc
 
     async def health(self, timeout: float) -> tuple[EngineStatus, str | None]:
         """Probe ``GET /health``: ``ready`` on 200, ``down`` otherwise, with a short reason."""
