@@ -44,7 +44,7 @@ from gateway.logs import set_level
 from gateway.metrics import ROUTES, Metrics
 from gateway.ratelimit import RateLimiter, Reservation, create_rate_limiter
 from gateway.reload import Reloader
-from gateway.rewrite import Kind, RequestPlan, plan_request
+from gateway.rewrite import Kind, RequestPlan, model_not_found, plan_request
 from gateway.sse import SseRelay, StreamProtocolError, rewrite_completion_body
 from gateway.upstream import RETRY_AFTER_DOWN_S, EngineClient, EngineState
 
@@ -481,11 +481,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def get_model(request: web.Request) -> web.Response:
     """One model card, or 404 ``model_not_found``."""
     if request.match_info["id"] != request.app[LIVE].current.settings.model.alias:
-        raise NotFound(
-            f"The model `{request.match_info['id'][:200]}` does not exist.",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(request.match_info["id"])
     headers = await _limit_headers(request)
     return web.json_response(_model_card(request), headers=headers)
 

@@ -65,6 +65,13 @@ class RequestPlan:
     reserve_tokens: int
 
 
+def model_not_found(name: str) -> NotFound:
+    """404 ``model_not_found`` in vLLM's wording; a name shaped like a credential (an API key
+    or a JWT pasted into the wrong field) is not echoed back."""
+    shown = "<redacted>" if name.startswith(("sk-", "eyJ")) else name[:200]
+    return NotFound(f"The model `{shown}` does not exist.", param="model", code="model_not_found")
+
+
 def cache_salt(secret: bytes, tenant: str) -> str:
     """Per-tenant prefix-cache salt: hex HMAC-SHA256 of the tenant name under a server secret.
 
@@ -205,10 +212,7 @@ def plan_request(
         raise BadRequest("The request body must be a JSON object.")
     model = body.get("model")
     if model is not None and model != settings.model.alias:
-        shown = model if isinstance(model, str) else json.dumps(model)
-        raise NotFound(
-            f"The model `{shown[:200]}` does not exist.", param="model", code="model_not_found"
-        )
+        raise model_not_found(model if isinstance(model, str) else json.dumps(model))
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -170,3 +170,15 @@ def test_credential_shaped_request_id_replaced(stack: Gateway) -> None:
     r = httpx.get(stack.url("/health"), headers={"X-Request-Id": KEY_A})
     assert r.headers["x-request-id"] != KEY_A
     assert KEY_A not in stack.log_path.read_text()
+
+
+def test_credential_sent_as_model_is_not_echoed(stack: Gateway) -> None:
+    """A key pasted into the model field gets 404 without the key in the error body."""
+    r = httpx.post(
+        stack.url("/v1/chat/completions"),
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        json={"model": KEY_A, "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert r.status_code == 404 and KEY_A not in r.text
+    r = httpx.get(stack.url(f"/v1/models/{KEY_A}"), headers={"Authorization": f"Bearer {KEY_A}"})
+    assert r.status_code == 404 and KEY_A not in r.text
