@@ -41,6 +41,8 @@ SECTIONS = ("fast", "paced", "limits", "slow")
 EXTRA_SECTIONS = ("profile",)
 SLOW_STREAMS, SLOW_TOKENS = 2000, 25
 QUICK_SLOW_STREAMS, QUICK_SLOW_TOKENS = 500, 8
+# Rows sampled by the profile section (about 1 s each at c=32: enough samples to rank functions).
+PROFILE_ROWS = 6
 
 
 def _progress(message: str) -> None:
@@ -86,7 +88,7 @@ def header(nginx_binary: str | None, rounds: int, quick: bool) -> str:
 
 
 def run_profile_section(workdir: Path, quick: bool) -> str:
-    """py-spy the gateway during one ``fast`` c=32 row; the summary text."""
+    """py-spy the gateway during `PROFILE_ROWS` ``fast`` c=32 rows; the summary text."""
     binary = find_py_spy()
     if binary is None:
         return "py-spy not installed (pip install py-spy): profile skipped"
@@ -96,7 +98,8 @@ def run_profile_section(workdir: Path, quick: bool) -> str:
         out = workdir / "gateway-profile.txt"
         assert gateway.rss_pid is not None
         with recording(binary, gateway.rss_pid, out):
-            row = measure(FAST, gateway, 32, sim.proc.pid, quick)
+            rows = [measure(FAST, gateway, 32, sim.proc.pid, quick) for _ in range(PROFILE_ROWS)]
+        row = medians(rows)[0]
     text = summarise(out.read_text())
     return (
         f"gateway under fast c=32 load ({row.rps:.1f} req/s, {row.cpu_per_1k:.1f} ms CPU "

@@ -90,8 +90,8 @@ def verdicts(rows: list[Row], slow: list[SlowResult]) -> list[Verdict]:
             Verdict(
                 "CPU per 1k chunks <= 3x nginx's",
                 worst <= CPU_FACTOR,
-                f"worst {worst:.1f}x ({row.profile} c={row.concurrency}: gateway "
-                f"{row.cpu_per_1k:.1f} ms, nginx {ref.cpu_per_1k:.1f} ms), best {best:.1f}x",
+                f"worst {worst:.2f}x ({row.profile} c={row.concurrency}: gateway "
+                f"{row.cpu_per_1k:.1f} ms, nginx {ref.cpu_per_1k:.1f} ms), best {best:.2f}x",
             )
         )
     slow_gw = [r for r in slow if r.target == "gateway"]
