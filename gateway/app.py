@@ -519,9 +519,13 @@ async def read_body(request: web.Request, limit: int, idle_timeout: float) -> by
         raise too_large
     chunks: list[bytes] = []
     size = 0
+    content = request.content
     while True:
         try:
-            chunk = await asyncio.wait_for(request.content.readany(), idle_timeout)
+            if content.is_eof():  # the rest is buffered already: no wait, no timer task
+                chunk = await content.readany()
+            else:
+                chunk = await asyncio.wait_for(content.readany(), idle_timeout)
         except asyncio.TimeoutError:
             raise RequestTimeout(
                 f"The request body stopped arriving for {idle_timeout:g} s.",
