@@ -141,31 +141,39 @@ class SseRelay:
     def _plain_events(self, chunk: bytes) -> bytes | None:
         """Relay a run of whole events in a few byte operations, or None to go event by event.
 
-        Applies to the common read: one or more ``data: <json>\\n\\n`` events, no comment,
-        multi-line or empty block, no usage, error or ``[DONE]``, nothing after ``[DONE]``, no
-        chunk carrying both reasoning names. For these `_data` would only count events and
-        finish reasons and rename ``reasoning``/``model``, which give the same bytes done on the
-        whole run at once. (The model rename is done run-wide only when there is one
-        ``"model":"<engine name>"`` per event: vLLM puts exactly one at the top of each chunk.)
+        Applies to the common read: one or more ``data: {<json>}\\n\\n`` events (so none is
+        ``[DONE]``), no comment, multi-line or empty block, no error event (payload starting
+        ``{"error"``), no usage, nothing after ``[DONE]``, no chunk carrying both reasoning
+        names. For these `_data` would only count events and finish reasons and rename
+        ``reasoning``/``model``, which give the same bytes done on the whole run at once. (The
+        model rename is done run-wide only when there is one ``"model":"<engine name>"`` per
+        event: vLLM puts exactly one at the top of each chunk.) A single event, the usual read
+        at the engine's pace, is recognised by its only newlines ending it.
         """
-        events = chunk.count(b"\n\n")
         state = self.state
+        if state.done or not chunk.startswith(b"data: {") or chunk.startswith(b'data: {"error"'):
+            return None
+        if chunk.find(b"\n") == len(chunk) - 2:
+            events = 1
+        else:
+            events = chunk.count(b"\n\n")
+            if (
+                chunk.count(b"\n") != 2 * events
+                or chunk.count(b"\n\ndata: {") != events - 1
+                or b'\n\ndata: {"error"' in chunk
+            ):
+                return None
+        reasoning = b'"reasoning":' in chunk
         if (
-            not chunk.startswith(b"data: ")
-            or chunk.count(b"\n") != 2 * events
-            or chunk.count(b"\n\ndata: ") != events - 1
-            or state.done
-            or b'"usage"' in chunk
-            or b'"error"' in chunk
-            or b"[DONE]" in chunk
-            or (b'"reasoning_content":' in chunk and b'"reasoning":' in chunk)
+            b'"usage"' in chunk
+            or (reasoning and b'"reasoning_content":' in chunk)
             or (self._rename_model and chunk.count(self._model_from) != events)
         ):
             return None
         state.content_events += events if state.events else events - 1
         state.events += events
         state.finished_choices += chunk.count(b'"finish_reason":"')
-        if b'"reasoning":' in chunk:
+        if reasoning:
             chunk = chunk.replace(b'"reasoning":', b'"reasoning_content":')
         if self._rename_model:
             chunk = chunk.replace(self._model_from, self._model_to)
