@@ -549,14 +549,17 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a valid JSON number")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def parse_body(raw: bytes) -> Any:
-    """Parse a request body as strict JSON.
+    """Parse a request body as strict JSON (UTF-8, or UTF-16/32 detected as ``json.loads`` does).
 
     Raises:
-        BadRequest: not UTF-8 JSON, a non-finite number literal, or nested too deeply.
+        BadRequest: not JSON, a non-finite number literal, or nested too deeply.
     """
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        return _DECODER.decode(raw.decode(json.detect_encoding(raw)))
     except RecursionError:
         raise BadRequest("The JSON body is nested too deeply.") from None
     except (ValueError, UnicodeDecodeError):
