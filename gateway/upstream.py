@@ -130,15 +130,17 @@ class EngineClient:
     async def post(self, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
         """POST a JSON body; return the response with its headers read and its body unread.
 
-        Never retried: a connection that drops may have carried a whole generation, and running
-        it twice costs the one-sequence engine minutes. The race a retry would cover (the
-        engine closing an idle pooled connection as it is reused) is avoided instead by closing
-        idle connections after ``pool_idle_s``, below the engine's 5 s keep-alive.
+        Never retried on a live engine: a connection that drops may have carried a whole
+        generation, and running it twice costs the one-sequence engine minutes. A drop is
+        followed by one ``/health`` probe: an engine that no longer answers died (its pooled
+        connections die with it), which is reported as unavailable so that a queued request
+        can wait for the engine's return instead of failing.
 
         Raises:
-            EngineUnavailable: the socket refuses or does not exist (engine down or loading).
+            EngineUnavailable: the socket refuses or does not exist (engine down or loading),
+                or the connection dropped and the engine no longer answers.
             GatewayTimeout: no answer within ``read_timeout_s``.
-            BadGateway: the engine dropped the connection.
+            BadGateway: the engine dropped the connection and is still up.
         """
         headers = {
             "Content-Type": "application/json",
@@ -154,7 +156,8 @@ class EngineClient:
         except asyncio.TimeoutError as exc:
             raise self.error("timeout", exc) from exc
         except aiohttp.ClientError as exc:
-            raise self.error("disconnect", exc) from exc
+            status, _ = await self.health(timeout=min(1.0, self.settings.connect_timeout_s))
+            raise self.error("connect" if status == "down" else "disconnect", exc) from exc
 
     async def health(self, timeout: float) -> tuple[EngineStatus, str | None]:
         """Probe ``GET /health``: ``ready`` on 200, ``down`` otherwise, with a short reason."""

@@ -292,14 +292,20 @@ def gateway_factory(workdir: Path) -> Iterator[Callable[..., Gateway]]:
         _stop(gw.proc)
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Gateway]:
-    """One simulator and one gateway shared by a test module (tenants acme, beta, carol)."""
+@contextlib.contextmanager
+def running_stack(
+    config: dict[str, Any] | None = None,
+    keys: dict[str, tuple[str, str]] | None = None,
+    keys_extra: str = "",
+) -> Iterator[Gateway]:
+    """A simulator and a gateway in a private temp dir, stopped and removed on exit."""
     path = Path(tempfile.mkdtemp(prefix="q38m-", dir="/tmp"))
     os.chmod(path, 0o700)
+    if keys is not None or keys_extra:
+        write_keys(path / "gw-keys.env", DEFAULT_KEYS if keys is None else keys, keys_extra)
     sim = start_sim(path)
     try:
-        gw = start_gateway(path, sim)
+        gw = start_gateway(path, sim, config)
         try:
             yield gw
         finally:
@@ -307,3 +313,10 @@ def stack() -> Iterator[Gateway]:
     finally:
         sim.stop()
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Gateway]:
+    """One simulator and one gateway shared by a test module (tenants acme, beta, carol)."""
+    with running_stack() as gw:
+        yield gw

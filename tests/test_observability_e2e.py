@@ -11,7 +11,6 @@ import base64
 import hashlib
 import http
 import json
-import os
 import random
 import re
 import shutil
@@ -50,8 +49,8 @@ from tests.conftest import (
     Sim,
     _stop,
     free_port,
+    running_stack,
     start_gateway,
-    start_sim,
     wait_until,
     write_keys,
 )
@@ -109,19 +108,12 @@ def token_for(sub: str, secret: bytes = JWT_SECRET, kid: str = "obs") -> str:
 @pytest.fixture(scope="module")
 def obs() -> Iterator[Gateway]:
     """Simulator + gateway; keys for acme, beta, carol, tight (1 request a minute) and a JWT key."""
-    path = Path(tempfile.mkdtemp(prefix="q38o-", dir="/tmp"))
-    os.chmod(path, 0o700)
-    write_keys(path / "gw-keys.env", MODULE_KEYS, extra=f"JWT_obs=hs256:{JWT_SECRET_TEXT}\n")
-    sim = start_sim(path)
-    try:
-        gw = start_gateway(path, sim, {"tenants": {"tight": {"rpm": 1}}})
-        try:
-            yield gw
-        finally:
-            _stop(gw.proc)
-    finally:
-        sim.stop()
-        shutil.rmtree(path, ignore_errors=True)
+    with running_stack(
+        {"tenants": {"tight": {"rpm": 1}}},
+        keys=MODULE_KEYS,
+        keys_extra=f"JWT_obs=hs256:{JWT_SECRET_TEXT}\n",
+    ) as gw:
+        yield gw
 
 
 # ------------------------------------------------------------------------------------ helpers
