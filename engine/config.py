@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from gateway.config import read_toml
+from gateway.config import load_toml
 
 DEFAULT_CONFIG_PATH = "/etc/qwen38/engine.toml"
 CONFIG_ENV = "QWEN38_ENGINE_CONFIG"
@@ -454,11 +454,4 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
         ConfigError: unreadable file, invalid TOML, or anything `parse_settings` rejects; the
             message starts with the file name.
     """
-    chosen = Path(path)
-    data = read_toml(chosen, ConfigError)
-    if data is None:
-        return Settings(source=None)
-    try:
-        return parse_settings(data, source=str(chosen))
-    except ConfigError as exc:
-        raise ConfigError(f"{chosen}: {exc}") from exc
+    return load_toml(Path(path), parse_settings, Settings, ConfigError)

@@ -930,24 +930,22 @@ async def _relay_stream(
             failure = client.error("disconnect", exc)
         except StreamProtocolError as exc:
             failure = client.error("bad_response", exc)
-        finally:
-            outcome.streamed_events = state.content_events
-            if state.usage is not None:
-                outcome.prompt_tokens = state.usage.prompt_tokens
-                outcome.completion_tokens = state.usage.completion_tokens
         tail = relay.finish() if failure is None else b""
         if failure is None and not relay.clean_end:
             failure = client.error("disconnect")
         if state.error is not None:
             metrics.upstream_errors.labels("stream_error").inc()
             info.reason = "stream_error"
-        if state.usage is not None:
-            outcome.prompt_tokens = state.usage.prompt_tokens
-            outcome.completion_tokens = state.usage.completion_tokens
         if failure is not None:
             return await _end_with_error(sse, info, failure)
         await sse.write_eof(tail)  # the last chunk and the terminator in one write
     except ConnectionResetError as exc:
         return _client_gone(request, sse, info, isinstance(exc, ClientStalled))
+    finally:
+        # Whatever ended the stream (client gone, cancellation, engine drop), charge what was seen.
+        outcome.streamed_events = state.content_events
+        if state.usage is not None:
+            outcome.prompt_tokens = state.usage.prompt_tokens
+            outcome.completion_tokens = state.usage.completion_tokens
     info.status = 200
     return sse

@@ -12,11 +12,11 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,6 +28,9 @@ CONFIG_ENV = "QWEN38_GATEWAY_CONFIG"
 TENANT_NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 DEFAULT_TENANT = "default"
 UNKNOWN_TENANT = "unknown"
+
+
+_T = TypeVar("_T")
 
 
 class ConfigError(ValueError):
@@ -356,22 +359,35 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
     return settings
 
 
-def read_toml(path: Path, error: type[Exception]) -> dict[str, Any] | None:
-    """Parse a TOML file; None when it does not exist (a missing file means all defaults).
+def load_toml(
+    path: Path,
+    parse: Callable[[dict[str, Any], str], _T],
+    missing: Callable[[], _T],
+    error: type[ValueError],
+) -> _T:
+    """Read the TOML file ``path`` and build settings from it with ``parse(data, source)``.
+
+    A file that does not exist gives ``missing()`` (all defaults). Shared by the gateway's and
+    the engine's config files.
 
     Raises:
-        error: the file cannot be read, is not UTF-8 or is not valid TOML (message names it).
+        error: the file cannot be read, is not UTF-8 or not valid TOML, or ``parse`` raised
+            ``error``; the message starts with the file name.
     """
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        return None
+        return missing()
     except OSError as exc:
         raise error(f"{path}: cannot read ({exc.strerror})") from exc
     try:
-        return tomllib.loads(raw.decode("utf-8"))
+        data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise error(f"{path}: not valid TOML: {exc}") from exc
+    try:
+        return parse(data, str(path))
+    except error as exc:
+        raise error(f"{path}: {exc}") from exc
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
@@ -385,10 +401,4 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         ConfigError: the file is not valid TOML or fails `parse_settings`.
     """
     chosen = Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
-    data = read_toml(chosen, ConfigError)
-    if data is None:
-        return Settings(source=None)
-    try:
-        return parse_settings(data, source=str(chosen))
-    except ConfigError as exc:
-        raise ConfigError(f"{chosen}: {exc}") from exc
+    return load_toml(chosen, parse_settings, Settings, ConfigError)

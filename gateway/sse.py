@@ -283,14 +283,21 @@ def _merge_reasoning(payload: bytes) -> bytes:
         obj = json.loads(payload)
     except ValueError:
         return payload
+    _rename_reasoning(obj, ("delta", "message"))
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _rename_reasoning(obj: Any, parts: tuple[str, ...]) -> None:
+    """In each choice's ``parts`` objects, move ``reasoning`` to ``reasoning_content`` (once)."""
+    if not isinstance(obj, dict):
+        return
     for choice in obj.get("choices") or ():
-        for part in ("delta", "message"):
+        for part in parts:
             holder = choice.get(part) if isinstance(choice, dict) else None
             if isinstance(holder, dict) and "reasoning" in holder:
                 text = holder.pop("reasoning")
                 if holder.get("reasoning_content") is None:
                     holder["reasoning_content"] = text
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def rewrite_completion_body(body: dict[str, Any], alias: str) -> dict[str, Any]:
@@ -304,10 +311,5 @@ def rewrite_completion_body(body: dict[str, Any], alias: str) -> dict[str, Any]:
     """
     if "model" in body:
         body["model"] = alias
-    for choice in body.get("choices") or ():
-        message = choice.get("message") if isinstance(choice, dict) else None
-        if isinstance(message, dict) and "reasoning" in message:
-            text = message.pop("reasoning")
-            if message.get("reasoning_content") is None:
-                message["reasoning_content"] = text
+    _rename_reasoning(body, ("message",))
     return body

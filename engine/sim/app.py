@@ -80,13 +80,21 @@ def _request_id(request: web.Request, body: dict[str, Any]) -> str:
     return from_body if isinstance(from_body, str) and from_body else uuid.uuid4().hex
 
 
+async def _begin(
+    request: web.Request,
+) -> tuple[dict[str, Any], Behaviour, web.StreamResponse | None]:
+    """Read a generation request: its body, its behaviour, and the answer of an entry fault
+    (refuse, hang, late headers) when one applies, in which case nothing else is done."""
+    body = await _request_json(request)
+    behaviour = _behaviour(request, body)
+    return body, behaviour, await entry_faults(request, behaviour)
+
+
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     """`POST /v1/chat/completions`: checks in vLLM's order, then the answer, streamed or not."""
     arrival = time.monotonic()
     options = request.app[OPTIONS]
-    body = await _request_json(request)
-    behaviour = _behaviour(request, body)
-    early = await entry_faults(request, behaviour)
+    body, behaviour, early = await _begin(request)
     if early is not None:
         return early
     spec = parse_chat(body, options)
@@ -157,9 +165,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     """`POST /v1/completions`: n choices per prompt, indexed prompt by prompt (section 8.3)."""
     arrival = time.monotonic()
     options = request.app[OPTIONS]
-    body = await _request_json(request)
-    behaviour = _behaviour(request, body)
-    early = await entry_faults(request, behaviour)
+    body, behaviour, early = await _begin(request)
     if early is not None:
         return early
     spec = parse_completion(body, options)
