@@ -990,15 +990,19 @@ async def test_refuse_with_503_or_a_closed_connection(
 
 
 async def test_record_line_per_request(client: aiohttp.ClientSession, sim: SimProcess) -> None:
-    """--record writes method, path, headers, parsed body, outcome, tokens and status per
+    """--record writes method, path, headers, parsed body, outcome, tokens, status and times per
     request, flushed while the simulator runs."""
     request_id = rid()
     body = chat(sim={"completion_tokens": 5})
     async with client.post(BASE + CHAT, json=body, headers={"X-Request-Id": request_id}) as resp:
         assert resp.status == 200
     line = await sim.record_for(request_id)
-    assert list(line) == ["method", "path", "headers", "body", "outcome", "tokens_sent", "status"]
+    assert list(line) == [
+        "method", "path", "headers", "body", "outcome", "tokens_sent", "status",
+        "received_at", "ended_at",
+    ]  # fmt: skip
     assert (line["method"], line["path"], line["body"]) == ("POST", CHAT, body)
+    assert time.time() - 60 < line["received_at"] <= line["ended_at"] <= time.time()
     assert (line["outcome"], line["tokens_sent"], line["status"]) == ("finished", 5, 200)
     request_id = rid()
     async with client.post(
