@@ -11,26 +11,19 @@ import dataclasses
 import math
 import os
 import re
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, cast
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from engine.tomlfile import load_toml
 
 DEFAULT_CONFIG_PATH = "/etc/qwen38/gateway.toml"
 CONFIG_ENV = "QWEN38_GATEWAY_CONFIG"
 TENANT_NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 DEFAULT_TENANT = "default"
 UNKNOWN_TENANT = "unknown"
-
-
-_T = TypeVar("_T")
 
 
 class ConfigError(ValueError):
@@ -357,37 +350,6 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
     if settings.engine.model == "" or settings.model.alias == "":
         raise ConfigError("engine.model and model.alias must not be empty")
     return settings
-
-
-def load_toml(
-    path: Path,
-    parse: Callable[[dict[str, Any], str], _T],
-    missing: Callable[[], _T],
-    error: type[ValueError],
-) -> _T:
-    """Read the TOML file ``path`` and build settings from it with ``parse(data, source)``.
-
-    A file that does not exist gives ``missing()`` (all defaults). Shared by the gateway's and
-    the engine's config files.
-
-    Raises:
-        error: the file cannot be read, is not UTF-8 or not valid TOML, or ``parse`` raised
-            ``error``; the message starts with the file name.
-    """
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return missing()
-    except OSError as exc:
-        raise error(f"{path}: cannot read ({exc.strerror})") from exc
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"{path}: not valid TOML: {exc}") from exc
-    try:
-        return parse(data, str(path))
-    except error as exc:
-        raise error(f"{path}: {exc}") from exc
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
