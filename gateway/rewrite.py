@@ -99,7 +99,8 @@ def estimate_prompt_tokens(body: Mapping[str, Any], kind: Kind) -> int:
                     if message.get(extra):
                         total += _text_bytes(message[extra]) // 3
         if body.get("tools"):
-            total += _text_bytes(body["tools"]) // 3
+            # Wrapped so the list is measured whole (as schemas), not as content parts.
+            total += _text_bytes({"tools": body["tools"]}) // 3
     else:
         total += _text_bytes(body.get("prompt")) // 3
     return total + 3

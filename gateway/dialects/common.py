@@ -1,0 +1,140 @@
+"""What both dialects share: the translated request, output clamping, ids, field checks.
+
+A dialect's request becomes a `Translated`: a chat-completions body written as a client would
+write it (``messages``, ``tools``, ``max_tokens``, ...), which then goes through the same
+`gateway.rewrite.plan_request` as ``/v1/chat/completions`` (alias, thinking policy, sampling,
+``cache_salt``, ``request_id``, reservation). Nothing here talks to the network.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import BadRequest, GatewayError
+from gateway.rewrite import estimate_prompt_tokens
+
+
+@dataclass
+class Translated:
+    """A dialect request translated onto the chat route.
+
+    Attributes:
+        chat: the chat-completions body (client shape; `plan_request` finishes it).
+        stream: the client asked for SSE.
+        requested_output: the output budget the client asked for (before clamping), or None.
+        dropped_tools: names of built-in tools this deployment cannot run and left out.
+        extra: dialect facts the answer needs (echoed fields, tool namespaces, ...).
+    """
+
+    chat: dict[str, Any]
+    stream: bool
+    requested_output: int | None = None
+    dropped_tools: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def new_id(prefix: str) -> str:
+    """A fresh public id: ``prefix`` + 24 random hex digits (no tenant or request data in it)."""
+    return prefix + secrets.token_hex(12)
+
+
+def clamp_output(chat: dict[str, Any], requested: int | None, max_model_len: int) -> None:
+    """Put ``max_tokens`` in ``chat``: the requested budget cut to what fits in the context.
+
+    The engine answers 400 to any request whose output budget exceeds ``max_model_len``, and
+    older vLLM also to prompt + budget over the context (vLLM docs, "OpenAI-Compatible Server",
+    ``max_tokens``); agent clients send a fixed budget (Claude Code always 32,000) regardless of
+    the context, so the gateway clamps instead of failing every request. The prompt size is the
+    gateway's over-estimate (`gateway.rewrite.estimate_prompt_tokens`), so the clamp errs small.
+    With no budget requested, nothing is set: the tenant's cap applies in `plan_request`.
+    """
+    if requested is None:
+        return
+    room = max_model_len - estimate_prompt_tokens(chat, "chat")
+    chat["max_tokens"] = max(1, min(requested, room))
+
+
+def positive_int(body: Mapping[str, Any], name: str, *, required: bool = False) -> int | None:
+    """``body[name]`` as a positive int, None when absent (unless ``required``).
+
+    Raises:
+        BadRequest: absent while required, or not a positive integer (``param`` names it).
+    """
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise BadRequest(f"{name}: Field required", param=name)
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequest(f"{name}: must be a positive integer", param=name)
+    return value
+
+
+def number(body: Mapping[str, Any], name: str) -> float | None:
+    """``body[name]`` as a number, None when absent. Raises BadRequest on another type."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise BadRequest(f"{name}: must be a number", param=name)
+    return value
+
+
+def expect(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
+    """``value`` when it is of ``kind``; else BadRequest naming ``name``."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        label = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+        wanted = label.get(kind, "valid") if isinstance(kind, type) else "valid"
+        raise BadRequest(f"{name}: must be {wanted}", param=name)
+    return value
+
+
+def arguments_object(raw: str) -> dict[str, Any]:
+    """A tool call's JSON arguments as an object; ``{}`` when the model produced none or
+    something that is not a JSON object (the client then reports the bad call to the model)."""
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def arguments_text(value: Any) -> str:
+    """A tool call's input (object or already-encoded string) as the chat API's JSON string."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value if value is not None else {}, ensure_ascii=False)
+
+
+# vLLM's wording (vllm/entrypoints/renderer: "This model's maximum context length is M tokens.
+# However, you requested X output tokens and your prompt contains [at least ]N input tokens").
+_OVERFLOW_RE = re.compile(
+    r"maximum context length is (\d+) tokens.*?prompt contains (?:at least )?(\d+) input tokens",
+    re.S,
+)
+
+
+def context_overflow(error: GatewayError) -> tuple[int, int] | None:
+    """(prompt tokens, context length) when ``error`` is the engine's prompt-too-long 400."""
+    if error.status != 400:
+        return None
+    match = _OVERFLOW_RE.search(error.message)
+    if match is None:
+        return None
+    return int(match.group(2)), int(match.group(1))
+
+
+def tool_function(name: str, description: str | None, parameters: Any) -> dict[str, Any]:
+    """One chat-completions function tool (OpenAI API reference, ``tools[].function``)."""
+    function: dict[str, Any] = {"name": name}
+    if description:
+        function["description"] = description
+    function["parameters"] = parameters if isinstance(parameters, dict) else {"type": "object"}
+    return {"type": "function", "function": function}
