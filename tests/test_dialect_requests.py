@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from gateway.dialects.anthropic_request import translate_messages
-from gateway.dialects.responses_request import translate_responses
 from gateway.errors import BadRequest
+from gateway.translate.anthropic_request import translate_messages
+from gateway.translate.responses_request import translate_responses
 
 FIXTURES = Path(__file__).parent / "fixtures" / "clients"
 CTX = 254_976

@@ -11,12 +11,6 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway.dialects.anthropic_errors import anthropic_error
-from gateway.dialects.anthropic_stream import PING_EVENT, AnthropicWriter
-from gateway.dialects.chat_events import ChunkReader, answer_events
-from gateway.dialects.responses_errors import failure_code, responses_error
-from gateway.dialects.responses_store import ResponseStore
-from gateway.dialects.responses_stream import ResponsesWriter
 from gateway.errors import (
     BadRequest,
     EngineUnavailable,
@@ -27,6 +21,12 @@ from gateway.errors import (
     PermissionDenied,
     RateLimited,
 )
+from gateway.translate.anthropic_errors import anthropic_error
+from gateway.translate.anthropic_stream import PING_EVENT, AnthropicWriter
+from gateway.translate.chat_events import ChunkReader, answer_events
+from gateway.translate.responses_errors import failure_code, responses_error
+from gateway.translate.responses_store import ResponseStore
+from gateway.translate.responses_stream import ResponsesWriter
 
 ANTHROPIC_EVENT = TypeAdapter(at.RawMessageStreamEvent)
 RESPONSES_EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.dialects.common import context_overflow
 from gateway.errors import GatewayError
+from gateway.translate.common import context_overflow
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 

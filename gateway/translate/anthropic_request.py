@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.dialects.common import (
+from gateway.errors import BadRequest
+from gateway.translate.common import (
     Translated,
     arguments_text,
     clamp_output,
@@ -39,7 +40,6 @@ from gateway.dialects.common import (
     positive_int,
     tool_function,
 )
-from gateway.errors import BadRequest
 
 BILLING_PREFIX = "x-anthropic-billing-header"
 _UNSUPPORTED_BLOCKS = {"image", "document", "search_result", "container_upload"}

@@ -17,8 +17,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from gateway.dialects.common import context_overflow
 from gateway.errors import EngineUnavailable, GatewayError
+from gateway.translate.common import context_overflow
 
 OVERLOADED_STATUS = 529
 _TYPES = {

@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from gateway.dialects.chat_events import (
+from gateway.translate.chat_events import (
     Event,
     Finish,
     Reasoning,
@@ -31,7 +31,7 @@ from gateway.dialects.chat_events import (
     ToolStart,
     UsageSeen,
 )
-from gateway.dialects.common import arguments_object, new_id
+from gateway.translate.common import arguments_object, new_id
 
 PING_EVENT = b'event: ping\ndata: {"type":"ping"}\n\n'
 

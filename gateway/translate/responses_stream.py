@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from gateway.dialects.chat_events import (
+from gateway.translate.chat_events import (
     Event,
     Finish,
     Reasoning,
@@ -33,7 +33,7 @@ from gateway.dialects.chat_events import (
     ToolStart,
     UsageSeen,
 )
-from gateway.dialects.common import new_id
+from gateway.translate.common import new_id
 
 KEEPALIVE_COMMENT = b": keepalive\n\n"
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.dialects.common import (
+from gateway.errors import BadRequest
+from gateway.translate.common import (
     Translated,
     arguments_text,
     clamp_output,
@@ -37,7 +38,6 @@ from gateway.dialects.common import (
     positive_int,
     tool_function,
 )
-from gateway.errors import BadRequest
 
 HOSTED_TOOLS = frozenset(
     {
