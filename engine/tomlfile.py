@@ -6,6 +6,9 @@ the package it was taken from, on Python 3.10.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +20,32 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 _T = TypeVar("_T")
+
+
+def read_regular_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of ``path``, refused at once unless it is a regular file.
+
+    Opened with ``O_NONBLOCK`` and checked with ``fstat`` before reading, so a FIFO, socket or
+    device at the path raises instead of blocking the reader (open(2)).
+
+    Raises:
+        FileNotFoundError: no such file.
+        OSError: unreadable, or not a regular file (``strerror`` "not a regular file").
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a Unix socket
+            raise OSError(errno.EINVAL, "not a regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            return handle.read()
+    finally:
+        os.close(fd)
 
 
 def load_toml(
@@ -34,7 +63,7 @@ def load_toml(
             ``error``; the message starts with the file name.
     """
     try:
-        raw = path.read_bytes()
+        raw = read_regular_file(path)
     except FileNotFoundError:
         return missing()
     except OSError as exc:

@@ -121,12 +121,16 @@ class AuthSettings:
     ``jwt_leeway_s`` is the clock-skew allowance for ``exp``/``nbf``/``iat``;
     ``reload_poll_s`` how often the keys file is checked for changes (DESIGN section 4 asks for
     changes to apply within 2 s).
+    ``allow_empty_keys``: a reload that finds no API key and no signing key in the keys file is
+    refused (the keys in force stay) unless this is true: an in-place rewrite (``cat > file``)
+    shows an empty file for a moment, and loading it would lock every tenant out.
     """
 
     keys_file: str = "/etc/qwen38/api-keys.env"
     jwt_leeway_s: float = 30.0
     jwt_max_ttl_s: float = 86_400.0
     reload_poll_s: float = 1.0
+    allow_empty_keys: bool = False
 
 
 @dataclass(frozen=True)

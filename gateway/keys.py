@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -444,21 +445,36 @@ def mode_problem(mode: int, path: str) -> str | None:
 def read_keys_bytes(path: str, *, check_mode: bool = True) -> bytes:
     """The raw bytes of the keys file after the mode and file-type checks.
 
+    The file is opened with ``O_NONBLOCK`` and its type checked on the open descriptor before any
+    read, so a FIFO, socket or device at the path is refused at once instead of blocking the
+    reader (open(2): a FIFO opened non-blocking for reading returns at once; a socket fails with
+    ``ENXIO``). A file on a hung mount can still block in ``open`` itself; callers that must not
+    block (the reloader) run this in a thread with a time limit.
+
     Raises:
         KeysFileError: missing, unreadable, not a regular file, or (``check_mode``) group/other bits.
     """
     try:
-        with open(path, "rb") as handle:
-            info = os.fstat(handle.fileno())
-            if check_mode and (problem := mode_problem(info.st_mode, path)) is not None:
-                raise KeysFileError([problem])
-            if not stat.S_ISREG(info.st_mode):
-                raise KeysFileError([f"{path}: not a regular file"])
-            return handle.read(MAX_FILE_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
         raise KeysFileError([f"{path}: no such file"]) from None
     except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise KeysFileError([f"{path}: not a regular file"]) from None
         raise KeysFileError([f"{path}: cannot read ({exc.strerror})"]) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise KeysFileError([f"{path}: not a regular file"])
+        if check_mode and (problem := mode_problem(info.st_mode, path)) is not None:
+            raise KeysFileError([problem])
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            return handle.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise KeysFileError([f"{path}: cannot read ({exc.strerror})"]) from None
+    finally:
+        os.close(fd)
 
 
 def load_keys_file(path: str | os.PathLike[str], *, check_mode: bool = True) -> KeySet:
