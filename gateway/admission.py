@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 
-from gateway.errors import EngineUnavailable, RateLimited, retry_after_header
+from gateway.errors import EngineUnavailable, GatewayError, RateLimited, retry_after_header
 from gateway.metrics import Metrics
 
 SERVICE_EWMA_ALPHA = 0.2
@@ -97,6 +97,8 @@ class Ticket:
                 passed and this request queued behind its own tenant's earlier waiters, at least
                 two and at least the tenant's weighted share of the queue then.
             EngineUnavailable: the same timeout otherwise (the engine is saturated overall).
+            GatewayError: the queue was closed (`AdmissionQueue.close`) while waiting: the
+                closing error, e.g. 503 during a shutdown.
             RuntimeError: the ticket was released (before or during the wait).
             asyncio.CancelledError: passed on, after giving the place (or slot) back.
         """
@@ -128,6 +130,7 @@ class Ticket:
                 if future.done():
                     if future.cancelled():
                         raise RuntimeError("ticket released while waiting")
+                    future.result()  # raises the error of a queue closed by `close`
                     return True
         except asyncio.CancelledError:
             self.release()
@@ -187,6 +190,7 @@ class AdmissionQueue:
         self._total_weight = 0.0
         self._service_s: float | None = None
         self._reload_future: asyncio.Future[None] | None = None
+        self._closed: Callable[[], GatewayError] | None = None
         metrics.queue_depth.set(0)
 
     @property
@@ -226,7 +230,10 @@ class AdmissionQueue:
                 share of it; Retry-After is the expected time until one of its waiters is served.
             EngineUnavailable: the queue is full with other tenants' requests; Retry-After is the
                 expected time until the engine finishes one request (`drain_rate`).
+            GatewayError: the queue is closed (`close`): the closing error.
         """
+        if self._closed is not None:
+            raise self._closed()
         now = self.clock()
         ticket = Ticket(self, tenant, label or tenant, weight, cost, now)
         if self._in_flight < self.max_concurrency and self._depth == 0:
@@ -259,6 +266,27 @@ class AdmissionQueue:
         heapq.heappush(self._heap, (ticket.tag, next(self._seq), ticket))
         self._metrics.queue_depth.set(self._depth)
         return ticket
+
+    def close(self, error: Callable[[], GatewayError]) -> int:
+        """Stop admitting (a shutdown): every waiter fails at once with ``error()``, and so does
+        every later `enqueue`; tickets holding a slot keep it until released.
+
+        Returns:
+            The number of waiters failed (they were never started).
+        """
+        self._closed = error
+        failed = 0
+        for _, _, ticket in self._heap:
+            if ticket._state is not _State.WAITING:
+                continue
+            ticket._state = _State.DONE
+            self._leave(ticket)
+            if ticket._future is not None and not ticket._future.done():
+                ticket._future.set_exception(error())
+            failed += 1
+        self._metrics.queue_depth.set(self._depth)
+        self._idle()
+        return failed
 
     def reconfigure(self, max_concurrency: int, queue_size: int, queue_timeout_s: float) -> None:
         """Apply reloaded ``[engine]`` values; waiters keep their places and see the new timeout.

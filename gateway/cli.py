@@ -7,13 +7,20 @@ import asyncio
 import sys
 
 from gateway import __version__
-from gateway.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, ConfigError, load_settings
+from gateway.config import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    ConfigError,
+    listener_problem,
+    load_settings,
+)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.keys import KeysFileError
     from gateway.logs import configure_logging
     from gateway.server import install_uvloop, serve
+    from gateway.tls import TlsError
 
     try:
         settings = load_settings(args.config)
@@ -27,6 +34,9 @@ def _serve(args: argparse.Namespace) -> int:
     except KeysFileError as exc:
         print(f"qwen38-gateway: cannot use the keys file:\n{exc}", file=sys.stderr)
         return 1
+    except (ConfigError, TlsError) as exc:
+        print(f"qwen38-gateway: invalid configuration: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"qwen38-gateway: cannot listen: {exc}", file=sys.stderr)
         return 1
@@ -34,6 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from gateway.keys import check_keys_file
+    from gateway.tls import TlsError, server_context
 
     try:
         settings = load_settings(args.config)
@@ -41,12 +52,26 @@ def _check(args: argparse.Namespace) -> int:
         print(f"FAIL config: {exc}")
         return 1
     print(f"OK   config: {settings.source or 'defaults (no file)'}")
+    failed = False
+    listener = listener_problem(settings)
+    if listener is not None:
+        print(f"FAIL listener: {listener}")
+        failed = True
+    for name, section in (("server", settings.server), ("metrics", settings.metrics)):
+        if section.tls_cert_file:
+            try:
+                server_context(section.tls_cert_file, section.tls_key_file)
+            except TlsError as exc:
+                print(f"FAIL {name} tls: {exc}")
+                failed = True
+            else:
+                print(f"OK   {name} tls: {section.tls_cert_file}")
     problems = check_keys_file(settings.auth.keys_file)
     for problem in problems:
         print(f"FAIL keys: {problem}")
     if not problems:
         print(f"OK   keys: {settings.auth.keys_file}")
-    return 1 if problems else 0
+    return 1 if problems or failed else 0
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ never half-applies. Per-request code only reads the resulting objects.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 import re
@@ -43,6 +44,19 @@ class ServerSettings:
     body uploads (then 408); ``client_write_timeout_s`` the longest a client may leave a stream
     unread before it counts as gone (499) and its engine request is aborted, so a stalled reader
     cannot hold the engine's only slot. nginx uses 60 s for the same three.
+
+    TLS: with ``tls_cert_file`` (PEM chain) and ``tls_key_file`` (PEM key) the listener serves
+    HTTPS only (TLS 1.2 and 1.3, Python's default cipher policy); both files are re-read on
+    SIGHUP and when they change, without dropping open connections. Without them the listener
+    speaks plain HTTP, which is accepted on a loopback address only, unless ``plain_http = true``
+    says a TLS proxy in front terminates TLS (clients send bearer keys).
+
+    ``sse_keepalive_s``: while a stream's headers are out but no event comes (queued, or the
+    engine's prefill of a long prompt), an SSE comment line is sent this often so that idle
+    timeouts of clients and proxies do not fire; 0 sends none.
+
+    ``shutdown_grace_s``: on SIGTERM, requests at the engine get this long to finish; queued ones
+    get 503 at once; the process exits within the grace plus about 2 s.
     """
 
     host: str = "0.0.0.0"
@@ -52,6 +66,10 @@ class ServerSettings:
     keepalive_timeout_s: float = 60.0
     body_timeout_s: float = 60.0
     client_write_timeout_s: float = 60.0
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    plain_http: bool = False
+    sse_keepalive_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -59,11 +77,14 @@ class MetricsSettings:
     """``[metrics]``: the Prometheus listener, separate from the public port (DESIGN section 7).
 
     A scrape bearer token, when wanted, lives in the keys file (``QWEN38_METRICS_TOKEN``), never here.
+    ``tls_cert_file`` / ``tls_key_file``: as in ``[server]``, for the metrics listener.
     """
 
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 9400
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     engine_scrape_timeout_s: float = 2.0
     engine_scrape_cache_s: float = 1.0
 
@@ -233,6 +254,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.keepalive_timeout_s": (1, 3600),
     "server.body_timeout_s": (0.1, 3600),
     "server.client_write_timeout_s": (0.1, 3600),
+    "server.sse_keepalive_s": (0, 3600),
     "metrics.port": (1, 65535),
     "metrics.engine_scrape_timeout_s": (0.05, 60),
     "metrics.engine_scrape_cache_s": (0, 60),
@@ -353,7 +375,37 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
         )
     if settings.engine.model == "" or settings.model.alias == "":
         raise ConfigError("engine.model and model.alias must not be empty")
+    for name, section in (("server", settings.server), ("metrics", settings.metrics)):
+        if bool(section.tls_cert_file) != bool(section.tls_key_file):
+            raise ConfigError(f"{name}.tls_cert_file and {name}.tls_key_file must be set together")
     return settings
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listener_problem(settings: Settings) -> str | None:
+    """Why the public listener may not serve these settings, or None (checked by ``serve`` and
+    ``check``, not by the other commands that read the config).
+
+    Plain HTTP is served on a loopback address, or elsewhere with ``server.plain_http = true``
+    (a TLS proxy in front); otherwise TLS files are required.
+    """
+    server = settings.server
+    if not server.tls_cert_file and not server.plain_http and not is_loopback(server.host):
+        return (
+            f"server.host = {server.host!r} without TLS: clients would send their keys in clear. "
+            "Set server.tls_cert_file and server.tls_key_file, or server.plain_http = true when "
+            "a TLS proxy in front terminates TLS"
+        )
+    return None
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:

@@ -19,7 +19,12 @@ def demo_settings(workdir: Path, host: str, port: int, metrics_port: int) -> Set
     """Settings for the demo: a private socket and keys file under ``workdir``, generous limits."""
     return parse_settings(
         {
-            "server": {"host": host, "port": port, "shutdown_grace_s": 2.0},
+            "server": {
+                "host": host,
+                "port": port,
+                "shutdown_grace_s": 2.0,
+                "plain_http": True,
+            },
             "metrics": {"host": "127.0.0.1", "port": metrics_port},
             "engine": {"socket": str(workdir / "engine.sock"), "health_interval_s": 0.5},
             "auth": {"keys_file": str(workdir / "api-keys.env")},

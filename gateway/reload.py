@@ -20,9 +20,14 @@ from gateway.metrics import Metrics
 RESTART_ONLY = (
     "server.host",
     "server.port",
+    "server.tls_cert_file",
+    "server.tls_key_file",
+    "server.plain_http",
     "metrics.enabled",
     "metrics.host",
     "metrics.port",
+    "metrics.tls_cert_file",
+    "metrics.tls_key_file",
     "auth.keys_file",
     "auth.reload_poll_s",
 )

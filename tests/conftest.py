@@ -237,8 +237,9 @@ def start_gateway(
         env={**os.environ, **(env or {})},
     )
     log_file.close()
+    scheme = "https" if base["server"].get("tls_cert_file") else "http"
     gw = Gateway(
-        base_url=f"http://127.0.0.1:{port}",
+        base_url=f"{scheme}://127.0.0.1:{port}",
         metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
         config_path=config_path,
         keys_file=keys_file,
@@ -251,7 +252,7 @@ def start_gateway(
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited: {log_path.read_text()[-2000:]}")
         try:
-            r = httpx.get(gw.url("/ready" if wait_ready else "/health"), timeout=1)
+            r = httpx.get(gw.url("/ready" if wait_ready else "/health"), timeout=1, verify=False)
         except httpx.HTTPError:
             return False
         return r.status_code == 200

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import os
 import socket
+import ssl
 import sys
 from collections.abc import Mapping
 
@@ -51,7 +52,8 @@ def gateway_connection(environ: Mapping[str, str]) -> http.client.HTTPConnection
     """A connection to the gateway's public listener, from gateway.toml ``[server]``.
 
     The config is found as ``qwen38-gateway serve`` finds it (``$QWEN38_GATEWAY_CONFIG`` or
-    ``/etc/qwen38/gateway.toml``, DESIGN section 2); a wildcard host is probed on loopback.
+    ``/etc/qwen38/gateway.toml``, DESIGN section 2); a wildcard host is probed on loopback, over
+    TLS when ``server.tls_cert_file`` is set.
 
     Raises:
         gateway.config.ConfigError: the config does not load.
@@ -60,6 +62,15 @@ def gateway_connection(environ: Mapping[str, str]) -> http.client.HTTPConnection
 
     settings = load_settings(environ.get("QWEN38_GATEWAY_CONFIG") or None)
     host = _WILDCARD.get(settings.server.host, settings.server.host)
+    if settings.server.tls_cert_file:
+        # The gateway's own listener over loopback: the certificate names the public host, not
+        # this address, and proving who answers is not the liveness probe's job.
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return http.client.HTTPSConnection(
+            host, settings.server.port, timeout=PROBE_TIMEOUT_S, context=context
+        )
     return http.client.HTTPConnection(host, settings.server.port, timeout=PROBE_TIMEOUT_S)
 
 

@@ -1,0 +1,93 @@
+"""Graceful shutdown state shared by the listener and every model request path.
+
+The drain on SIGTERM (uvicorn's and Kubernetes' order): stop accepting, fail what waits in the
+queue with 503 and ``Retry-After`` (it never started), refuse new model requests with the same
+503, let requests at the engine run for up to ``server.shutdown_grace_s``, then end the ones
+still open: a stream gets one final SSE error event (code ``shutting_down``) instead of a silent
+cut, and its access line says ``reason="shutdown"``, not a client disconnect.
+
+A request path takes part by running its engine call inside ``with drain.track():`` and, when
+it catches `asyncio.CancelledError`, asking `Drain.cut_by_shutdown` whether the cancellation was
+the drain's, in which case it ends its response with `Drain.error` and returns instead of
+re-raising.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+from aiohttp import web
+
+from gateway.errors import EngineUnavailable
+
+SHUTDOWN_MESSAGE = "qwen38-gateway shutdown"
+# Retry-After for requests refused during a drain: a restart of the gateway takes a few seconds;
+# a client behind a load balancer retries on another replica at once anyway.
+RETRY_AFTER_SHUTDOWN_S = 5.0
+
+
+class Drain:
+    """Shutdown state: `begin` at SIGTERM, `expire` when the grace ends.
+
+    Attributes:
+        draining: True from `begin` on: new model requests are refused.
+        expired: True from `expire` on: requests still open are being ended.
+    """
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.expired = False
+        self.began_at: float | None = None
+        self._tasks: set[asyncio.Task[object]] = set()
+
+    @staticmethod
+    def error() -> EngineUnavailable:
+        """The 503 for requests refused or ended by the drain (``Retry-After`` 5 s)."""
+        return EngineUnavailable(
+            "The gateway is shutting down. Retry shortly.",
+            retry_after_s=RETRY_AFTER_SHUTDOWN_S,
+            code="shutting_down",
+            reason="shutdown",
+        )
+
+    @property
+    def open_requests(self) -> int:
+        """Model requests inside `track` now."""
+        return len(self._tasks)
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Register the current task as a model request the drain waits for and may end."""
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - always inside a handler task
+            yield
+            return
+        self._tasks.add(task)
+        try:
+            yield
+        finally:
+            self._tasks.discard(task)
+
+    def cut_by_shutdown(self) -> bool:
+        """True inside a tracked task whose cancellation came from `expire`."""
+        return self.expired and asyncio.current_task() in self._tasks
+
+    def begin(self) -> None:
+        """Start draining: from now on `draining` is True."""
+        if not self.draining:
+            self.draining = True
+            self.began_at = time.monotonic()
+
+    def expire(self) -> int:
+        """The grace is over: cancel every tracked request (they end with `error`); returns how many."""
+        self.expired = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel(SHUTDOWN_MESSAGE)
+        return len(tasks)
+
+
+DRAIN = web.AppKey("drain", Drain)

@@ -1,0 +1,304 @@
+"""Cases C21 and C25 and TLS: the listeners' own behaviour (drain, error pages, certificates)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ALIAS, KEY_A, REPO, Gateway, free_port, to_toml, wait_until, write_keys
+from tests.tls_certs import make_ca
+
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+METRICS_TOKEN = "metrics-token-0123456789abcdef"
+
+
+def chat(sim: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """A chat body, with the simulator's per-request ``sim`` object when given."""
+    out: dict[str, Any] = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}]}
+    if sim:
+        out["sim"] = sim
+    out.update(extra)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- C25
+
+
+def raw_exchange(url: str, request: bytes) -> bytes:
+    """Send raw bytes to the listener of ``url``; everything it answers until it closes."""
+    parsed = urlparse(url)
+    with socket.create_connection((parsed.hostname, parsed.port), timeout=5) as sock:
+        sock.sendall(request)
+        chunks = []
+        while True:
+            try:
+                data = sock.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not data:
+                break
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+def bad_requests(secret: str) -> dict[str, bytes]:
+    """Malformed requests that each carry ``secret`` in a header and in the request line."""
+    auth = f"Authorization: Bearer {secret}\r\n".encode()
+    return {
+        "request_line": b"GET /metrics?" + secret.encode() + b" HTTP/1.1 junk\r\n" + auth + b"\r\n",
+        "bad_header_char": b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+        + auth
+        + b"X-Bad\x01Name: "
+        + secret.encode()
+        + b"\r\n\r\n",
+        "huge_header": b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+        + f"Authorization: Bearer {secret}{'A' * 70_000}\r\n\r\n".encode(),
+        "bad_header_value": b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + secret.encode()
+        + b"\x00\x7f\r\n\r\n",
+    }
+
+
+@pytest.mark.parametrize("port", ["metrics", "public"])
+def test_c25_listener_error_pages_echo_nothing(
+    gateway_factory: Any, sim_factory: Any, workdir: Path, port: str
+) -> None:
+    """C25: malformed requests on the metrics (and public) port get a short body echoing no header, token or request line."""
+    write_keys(
+        workdir / "gw-keys.env",
+        {"KEY_A": ("acme", KEY_A)},
+        f"QWEN38_METRICS_TOKEN={METRICS_TOKEN}\n",
+    )
+    gw = gateway_factory(sim_factory())
+    url = gw.metrics_url if port == "metrics" else gw.base_url
+    for secret in (METRICS_TOKEN, KEY_A):
+        for name, request in bad_requests(secret).items():
+            answer = raw_exchange(url, request)
+            assert answer[:9] in (b"HTTP/1.0 ", b"HTTP/1.1 "), (name, answer[:80])
+            assert answer[9:10] == b"4", (name, answer[:80])
+            _, _, body = answer.partition(b"\r\n\r\n")
+            assert len(body) < 300, name
+            for fragment in (secret, secret[7:19], "junk", "X-Bad"):
+                assert fragment.encode() not in answer, (name, fragment)
+    assert METRICS_TOKEN not in gw.log_path.read_text()
+    assert KEY_A not in gw.log_path.read_text()
+    assert gw.proc.poll() is None
+
+
+# ----------------------------------------------------------------------------------------- TLS
+
+
+def tls_gateway(
+    gateway_factory: Any, sim_factory: Any, workdir: Path, **server: Any
+) -> tuple[Gateway, Any]:
+    """A gateway serving TLS with a certificate from a CA made here; returns it and the CA."""
+    ca = make_ca(workdir)
+    cert, key = workdir / "cert.pem", workdir / "key.pem"
+    ca.issue(cert, key, "first")
+    gw = gateway_factory(
+        sim_factory(),
+        {"server": {"tls_cert_file": str(cert), "tls_key_file": str(key), **server}},
+    )
+    gw.extra.update(ca=ca, cert=cert, key=key)
+    return gw, ca
+
+
+def peer_common_name(gw: Gateway, ca_bundle: Path) -> str:
+    """The common name of the certificate the listener presents to a new connection."""
+    parsed = urlparse(gw.base_url)
+    context = ssl.create_default_context(cafile=str(ca_bundle))
+    with (
+        socket.create_connection((parsed.hostname, parsed.port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        cert = tls.getpeercert()
+        assert tls.version() in ("TLSv1.2", "TLSv1.3")
+    subject = dict(item[0] for item in cert["subject"])
+    return str(subject["commonName"])
+
+
+def test_tls_openai_sdk_with_a_ca_bundle(
+    gateway_factory: Any, sim_factory: Any, workdir: Path
+) -> None:
+    """TLS: the openai SDK, trusting only a CA made in the test, streams and completes over HTTPS; plain HTTP is refused."""
+    gw, ca = tls_gateway(gateway_factory, sim_factory, workdir)
+    assert gw.base_url.startswith("https://")
+    with httpx.Client(
+        verify=ssl.create_default_context(cafile=str(ca.bundle)), timeout=30
+    ) as http_client:
+        client = openai.OpenAI(
+            base_url=gw.url("/v1"), api_key=KEY_A, http_client=http_client, max_retries=0
+        )
+        answer = client.chat.completions.create(
+            model=ALIAS, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert answer.choices[0].message.content
+        text = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model=ALIAS, messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            if chunk.choices
+        )
+        assert text
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(gw.base_url.replace("https://", "http://") + "/health", timeout=3)
+    with pytest.raises(httpx.ConnectError):  # an unknown CA is refused by the client
+        httpx.get(gw.url("/health"), timeout=3)
+    # TLS 1.1 and older are refused by the server.
+    old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    old.load_verify_locations(str(ca.bundle))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old.maximum_version = ssl.TLSVersion.TLSv1_1
+        old.minimum_version = ssl.TLSVersion.TLSv1
+    parsed = urlparse(gw.base_url)
+    with (
+        socket.create_connection((parsed.hostname, parsed.port), timeout=5) as raw,
+        pytest.raises(ssl.SSLError),
+    ):
+        old.wrap_socket(raw, server_hostname="127.0.0.1").close()
+
+
+def test_tls_certificate_renewed_without_restart_or_cut(
+    gateway_factory: Any, sim_factory: Any, workdir: Path
+) -> None:
+    """TLS: a renewed certificate is used for new connections after a change or SIGHUP; an open stream is not cut."""
+    gw, ca = tls_gateway(gateway_factory, sim_factory, workdir)
+    assert peer_common_name(gw, ca.bundle) == "first"
+    result: dict[str, Any] = {}
+    started = threading.Event()
+
+    def stream() -> None:
+        payload = chat({"tokens_per_second": 10, "completion_tokens": 30}, stream=True)
+        with (
+            httpx.Client(
+                verify=ssl.create_default_context(cafile=str(ca.bundle)), timeout=30
+            ) as client,
+            client.stream("POST", gw.url("/v1/chat/completions"), json=payload, headers=AUTH) as r,
+        ):
+            raw = b""
+            for data in r.iter_raw():
+                raw += data
+                started.set()
+            result["raw"] = raw
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert started.wait(10)
+    ca.issue(gw.extra["cert"], gw.extra["key"], "second")  # renewal by rename, on change
+    assert wait_until(lambda: peer_common_name(gw, ca.bundle) == "second", 5)
+    ca.issue(gw.extra["cert"], gw.extra["key"], "third")
+    gw.proc.send_signal(signal.SIGHUP)
+    assert wait_until(lambda: peer_common_name(gw, ca.bundle) == "third", 5)
+    worker.join(30)
+    assert result["raw"].endswith(b"data: [DONE]\n\n"), "the open stream was cut"
+    # A broken pair keeps the one in force.
+    gw.extra["key"].write_text("not a key\n")
+    gw.proc.send_signal(signal.SIGHUP)
+    assert wait_until(lambda: any(e.get("event") == "tls_reload_failed" for e in gw.logs()), 5)
+    assert peer_common_name(gw, ca.bundle) == "third"
+
+
+def _serve_once(config: dict[str, Any], workdir: Path) -> subprocess.CompletedProcess[str]:
+    path = workdir / "plain.toml"
+    path.write_text(to_toml(config))
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_tls_plain_http_off_loopback_needs_an_explicit_choice(workdir: Path) -> None:
+    """TLS: plain HTTP on a non-loopback address without server.plain_http refuses to start, naming the settings."""
+    keys = workdir / "keys.env"
+    write_keys(keys, {"KEY_A": ("acme", KEY_A)})
+    config = {
+        "server": {"host": "0.0.0.0", "port": free_port()},
+        "metrics": {"enabled": False},
+        "auth": {"keys_file": str(keys)},
+    }
+    result = _serve_once(config, workdir)
+    assert result.returncode == 1
+    assert "server.plain_http" in result.stderr and "tls_cert_file" in result.stderr
+    config["server"]["tls_cert_file"] = str(workdir / "missing.pem")
+    result = _serve_once(config, workdir)
+    assert result.returncode == 1 and "tls_key_file" in result.stderr
+
+
+# ----------------------------------------------------------------------------------------- C21
+
+
+def in_flight(gw: Gateway) -> int:
+    """Requests holding an engine slot, from /ready."""
+    return int(httpx.get(gw.url("/ready"), timeout=5).json()["in_flight"])
+
+
+def queue_depth(gw: Gateway) -> int:
+    """Requests waiting in the admission queue, from /ready."""
+    return int(httpx.get(gw.url("/ready"), timeout=5).json()["queue_depth"])
+
+
+def test_c21_drain_refuses_the_queue_at_once_and_exits_within_grace(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """C21: on SIGTERM a queued request gets 503 with Retry-After at once, new connections are refused, exit within grace + 2 s."""
+    grace = 3.0
+    gw = gateway_factory(
+        sim_factory(),
+        {"server": {"shutdown_grace_s": grace}, "engine": {"max_concurrency": 1}},
+    )
+    slow = chat({"tokens_per_second": 4, "completion_tokens": 200})
+    results: dict[str, Any] = {}
+
+    def post(name: str, payload: dict[str, Any]) -> None:
+        try:
+            r = httpx.post(gw.url("/v1/chat/completions"), json=payload, headers=AUTH, timeout=30)
+            results[name] = (r.status_code, dict(r.headers), r.content, time.monotonic())
+        except httpx.HTTPError as exc:
+            results[name] = (None, {}, repr(exc).encode(), time.monotonic())
+
+    running = threading.Thread(target=post, args=("running", slow))
+    running.start()
+    assert wait_until(lambda: in_flight(gw) == 1, 10)
+    queued = threading.Thread(target=post, args=("queued", chat()))
+    queued.start()
+    assert wait_until(lambda: queue_depth(gw) == 1, 10)
+    signalled = time.monotonic()
+    gw.proc.send_signal(signal.SIGTERM)
+    queued.join(5)
+    status, headers, content, at = results["queued"]
+    assert status == 503 and at - signalled < 1.0
+    assert int(headers["retry-after"]) >= 1
+    assert json.loads(content)["error"]["code"] == "shutting_down"
+    assert wait_until(lambda: _refused(gw), 2), "still accepting new connections"
+    gw.proc.wait(grace + 5)
+    assert time.monotonic() - signalled < grace + 2.0
+    running.join(10)
+    assert len(gw.sim.model_records()) == 1 if gw.sim else True, "the queued request was started"
+
+
+def _refused(gw: Gateway) -> bool:
+    try:
+        r = httpx.get(gw.url("/health"), timeout=1)
+    except httpx.HTTPError:
+        return True
+    return r.status_code == 503
