@@ -26,6 +26,9 @@ KEY_A = "sk-q38-testAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 KEY_B = "sk-q38-testBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
 KEY_C = "sk-q38-testCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 
+# The `engine` fixture (real vLLM and the simulator, started by the launcher) and its markers.
+pytest_plugins = ("tests.realengine.fixtures",)
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
