@@ -123,9 +123,35 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """``[model]``: the public model id clients send and see."""
+    """``[model]``: the public model id clients send and see.
+
+    ``accepted`` lists further names a request may carry in ``model`` (agent clients such as
+    Claude Code and Codex send whatever name their user configured); ``"*"`` accepts any name.
+    Answers always show ``alias``.
+    """
 
     alias: str = "qwen3.8-27b"
+    accepted: tuple[str, ...] = ()
+
+    def accepts(self, name: str) -> bool:
+        """True when a request naming ``name`` is served (the alias or an accepted name)."""
+        return name == self.alias or name in self.accepted or "*" in self.accepted
+
+
+@dataclass(frozen=True)
+class ResponsesSettings:
+    """``[responses]``: stored responses of ``/v1/responses`` (``store: true``).
+
+    Off by default: Codex and most agent clients send ``store: false`` and the whole history.
+    When on, responses are kept in this process's memory only (not shared by replicas, lost at
+    restart), at most ``store_max_items`` of them and ``store_max_bytes`` of JSON, each for
+    ``store_ttl_s`` seconds, visible only to the tenant that created them.
+    """
+
+    store: bool = False
+    store_max_items: int = 10_000
+    store_max_bytes: int = 268_435_456
+    store_ttl_s: float = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -206,6 +232,7 @@ class Settings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     thinking: ThinkingSettings = field(default_factory=ThinkingSettings)
+    responses: ResponsesSettings = field(default_factory=ResponsesSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     ratelimit: RatelimitSettings = field(default_factory=RatelimitSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
@@ -241,6 +268,7 @@ _SECTIONS: dict[str, type] = {
     "engine": EngineSettings,
     "model": ModelSettings,
     "thinking": ThinkingSettings,
+    "responses": ResponsesSettings,
     "auth": AuthSettings,
     "ratelimit": RatelimitSettings,
     "logging": LoggingSettings,
@@ -268,6 +296,9 @@ _RANGES: dict[str, tuple[float, float]] = {
     "engine.health_interval_s": (0.05, 600),
     "engine.queued_comment_after_s": (0, 3600),
     "engine.drift_check_interval_s": (0.1, 86_400),
+    "responses.store_max_items": (1, 10_000_000),
+    "responses.store_max_bytes": (1024, 1 << 40),
+    "responses.store_ttl_s": (1, 31_536_000),
     "auth.jwt_leeway_s": (0, 3600),
     "auth.jwt_max_ttl_s": (1, 31_536_000),
     "auth.reload_poll_s": (0.05, 60),
@@ -288,6 +319,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 def _expected(tp: Any) -> tuple[type, ...]:
     """Python types a TOML value may have for a dataclass field annotation (a string here)."""
     text = str(tp)
+    if text.startswith("tuple"):
+        return (list,)
     if text.startswith("bool"):
         return (bool, type(None)) if "None" in text else (bool,)
     if text.startswith("int"):
@@ -313,6 +346,10 @@ def _build(cls: type, table: Any, where: str, base: Any = None) -> Any:
             raise ConfigError(f"{dotted} = {value!r}: expected {kinds[0].__name__}")
         if not isinstance(value, kinds):
             raise ConfigError(f"{dotted} = {value!r}: expected {kinds[0].__name__}")
+        if list in kinds:
+            if not all(isinstance(item, str) and item for item in value):
+                raise ConfigError(f"{dotted} = {value!r}: expected a list of non-empty strings")
+            value = tuple(value)
         if float in kinds:
             value = float(cast(float, value))
             if not math.isfinite(value):

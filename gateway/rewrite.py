@@ -212,7 +212,7 @@ def plan_request(
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
     model = body.get("model")
-    if model is not None and model != settings.model.alias:
+    if model is not None and not (isinstance(model, str) and settings.model.accepts(model)):
         raise model_not_found(model if isinstance(model, str) else json.dumps(model))
     if kind == "chat":
         messages = body.get("messages")

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import BadRequest
+from gateway.config import ConfigError, parse_settings
+from gateway.errors import BadRequest, NotFound
+from gateway.rewrite import plan_request
 from gateway.translate.anthropic_request import translate_messages
 from gateway.translate.responses_request import translate_responses
 
@@ -454,3 +456,48 @@ def test_previous_history_goes_first() -> None:
     ]
     chat = translate_responses({"input": "second"}, max_model_len=CTX, history=history).chat
     assert [m["content"] for m in chat["messages"]] == ["first", "ok", "second"]
+
+
+# ------------------------------------------------------------------------- configuration
+
+
+def test_accepted_model_names() -> None:
+    """[model] accepted lets a request name another model; "*" accepts any; others are 404."""
+    settings = parse_settings({"model": {"accepted": ["claude-sonnet-4-5"]}})
+    tenant = settings.tenant("default")
+    body = {"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": "x"}]}
+    plan = plan_request(
+        body, "chat", settings=settings, tenant=tenant, request_id="r", salt_secret=b"s"
+    )
+    assert json.loads(plan.body)["model"] == settings.engine.model
+    with pytest.raises(NotFound):
+        plan_request(
+            {**body, "model": "gpt-5"},
+            "chat",
+            settings=settings,
+            tenant=tenant,
+            request_id="r",
+            salt_secret=b"s",
+        )
+    anything = parse_settings({"model": {"accepted": ["*"]}})
+    assert anything.model.accepts("gpt-5")
+
+
+@pytest.mark.parametrize("value", ["x", [1], [""]])
+def test_accepted_must_be_a_list_of_names(value: Any) -> None:
+    """A malformed [model] accepted fails at load, naming the key."""
+    with pytest.raises(ConfigError, match=r"model\.accepted"):
+        parse_settings({"model": {"accepted": value}})
+
+
+def test_responses_store_settings() -> None:
+    """[responses] store is off by default and bounded when on."""
+    assert parse_settings({}).responses.store is False
+    on = parse_settings({"responses": {"store": True, "store_max_items": 5, "store_ttl_s": 60}})
+    assert (on.responses.store, on.responses.store_max_items, on.responses.store_ttl_s) == (
+        True,
+        5,
+        60.0,
+    )
+    with pytest.raises(ConfigError):
+        parse_settings({"responses": {"store_max_items": 0}})
