@@ -346,7 +346,7 @@ def _build(cls: type, table: Any, where: str, base: Any = None) -> Any:
             raise ConfigError(f"{dotted} = {value!r}: expected {kinds[0].__name__}")
         if not isinstance(value, kinds):
             raise ConfigError(f"{dotted} = {value!r}: expected {kinds[0].__name__}")
-        if list in kinds:
+        if isinstance(value, list):
             if not all(isinstance(item, str) and item for item in value):
                 raise ConfigError(f"{dotted} = {value!r}: expected a list of non-empty strings")
             value = tuple(value)
