@@ -17,7 +17,7 @@ SERVICE_EWMA_ALPHA = 0.2
 
 DEFAULT_SERVICE_S = 30.0
 """Assumed engine time per request until one has been measured: about 900 tokens at the ~30
-tokens/s one V100 generates (issue 4)."""
+tokens/s one V100 generates."""
 
 # Cancelled waiters stay in the heap until popped; past this many dead entries (and more dead than
 # live) the heap is rebuilt, so a storm of cancellations cannot grow it without bound.

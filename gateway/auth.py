@@ -14,8 +14,8 @@ from typing import Any, Literal
 import jwt
 
 from gateway.config import TENANT_NAME_RE
+from gateway.credentials import SECRET_RE, ApiKey, KeySet, SigningKey, b64url_decode, secret_digest
 from gateway.errors import InvalidApiKey
-from gateway.keys import SECRET_RE, ApiKey, KeySet, SigningKey, b64url_decode, secret_digest
 
 # Longer credentials are refused before hashing or base64-decoding anything: a generated key is
 # 39 characters and a gateway JWT a few hundred.

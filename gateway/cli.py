@@ -17,7 +17,7 @@ from gateway.config import (
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.keys import KeysFileError
+    from gateway.credentials import KeysFileError
     from gateway.logs import configure_logging
     from gateway.server import install_uvloop, serve
     from gateway.tls import TlsError
@@ -43,7 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from gateway.keys import check_keys_file
+    from gateway.keys_file import check_keys_file
     from gateway.tls import TlsError, server_context
 
     try:
@@ -86,7 +86,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand (DESIGN section 2)."""
+    """The argument parser of every subcommand."""
     from gateway.keys_cli import add_subcommands
 
     parser = argparse.ArgumentParser(

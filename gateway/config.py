@@ -1,4 +1,4 @@
-"""Gateway configuration: the TOML file of DESIGN section 3, parsed once into frozen dataclasses.
+"""Gateway configuration: the TOML file, parsed once into frozen dataclasses.
 
 Every key has a default and a missing file means all defaults. Unknown keys and values of the
 wrong type or range fail at load with a `ConfigError` naming the key and the value, so a bad file
@@ -74,7 +74,7 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class MetricsSettings:
-    """``[metrics]``: the Prometheus listener, separate from the public port (DESIGN section 7).
+    """``[metrics]``: the Prometheus listener, separate from the public port.
 
     A scrape bearer token, when wanted, lives in the keys file (``QWEN38_METRICS_TOKEN``), never here.
     ``tls_cert_file`` / ``tls_key_file``: as in ``[server]``, for the metrics listener.
@@ -94,10 +94,10 @@ class EngineSettings:
     """``[engine]``: how to reach the engine and how much of it to use.
 
     Timeouts in seconds. ``pool_idle_s`` must stay below the engine's 5 s uvicorn keep-alive
-    (vllm-protocol.md section 1.4, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) so the gateway never reuses a
+    (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, "Environment Variables" in the vLLM docs) so the gateway never reuses a
     connection the engine is closing. ``read_timeout_s`` is the longest silence tolerated between
     two reads of one response: long prompts take minutes of prefill before the first byte on a
-    V100 (vllm-protocol.md section 2), so it defaults to 15 minutes; there is no total timeout.
+    V100, so it defaults to 15 minutes; there is no total timeout.
     ``ready_file``, when set, is the file the launcher (``qwen38-engine serve``) creates once its
     warm-up request succeeded: until it exists a healthy engine counts as ``warming``.
     ``drift_check_interval_s``: how often the gateway's in-flight count is compared with the
@@ -166,8 +166,8 @@ class AuthSettings:
     """``[auth]``: where credentials live and how JWTs are checked.
 
     ``jwt_leeway_s`` is the clock-skew allowance for ``exp``/``nbf``/``iat``;
-    ``reload_poll_s`` how often the keys file is checked for changes (DESIGN section 4 asks for
-    changes to apply within 2 s).
+    ``reload_poll_s`` how often the keys file is checked for changes (a key rotation applies
+    within 2 s by default).
     ``allow_empty_keys``: a reload that finds no API key and no signing key in the keys file is
     refused (the keys in force stay) unless this is true: an in-place rewrite (``cat > file``)
     shows an empty file for a moment, and loading it would lock every tenant out.
@@ -251,7 +251,7 @@ class Settings:
     def tenant_label(self, name: str | None) -> str:
         """Metrics label for a tenant: configured names as is, others ``default``, none ``unknown``.
 
-        Keeps label cardinality bounded by the config file (DESIGN section 7).
+        Keeps label cardinality bounded by the config file (Prometheus naming guide, "Labels").
         """
         if name is None:
             return UNKNOWN_TENANT
@@ -450,7 +450,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
 
     Args:
         path: file to read; None means ``$QWEN38_GATEWAY_CONFIG`` or ``/etc/qwen38/gateway.toml``.
-            A file that does not exist means all defaults (DESIGN section 3).
+            A file that does not exist means all defaults.
 
     Raises:
         ConfigError: the file is not valid TOML or fails `parse_settings`.

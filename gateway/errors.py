@@ -1,15 +1,22 @@
 """The gateway's one exception tree; each leaf carries its HTTP status and OpenAI error fields.
 
-Handlers and helpers raise these; one middleware (`gateway.app`) turns them into the OpenAI
-error shape ``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference, "Error
-codes"). Messages are client-safe: they never contain a key, a token or a server path.
+Two families under the root `GatewayError`: `ClientError` (4xx, the request is refused) and
+`UpstreamError` (502, 503, 504, the engine failed or is not available). Handlers and helpers
+raise these; one middleware (`gateway.middleware`) turns them into the OpenAI error shape
+``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference, "Error codes").
+Messages are client-safe: they never contain a key, a token or a server path.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
+
+# Seconds a client should wait before retrying while the engine loads or restarts: a V100 takes
+# minutes to load and warm up the 23 GB checkpoint, a crash restart about as long.
+RETRY_AFTER_STARTING_S = 30.0
+RETRY_AFTER_DOWN_S = 10.0
 
 
 class GatewayError(Exception):
@@ -24,7 +31,7 @@ class GatewayError(Exception):
         reason: a short bounded label for logs and metrics (never client-chosen).
     """
 
-    status: ClassVar[int] = 500
+    status: int = 500
     type: str = "server_error"
     code: str | None = "internal_error"
     reason: str = "internal"
@@ -70,7 +77,29 @@ class GatewayError(Exception):
         return b"data: " + self.json_bytes() + b"\n\n"
 
 
-class BadRequest(GatewayError):
+class ClientError(GatewayError):
+    """4xx: the request is refused as sent (RFC 9110 section 15.5, "Client Error 4xx")."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+    reason = "bad_request"
+
+
+class HttpError(ClientError):
+    """A 4xx that aiohttp decided (routing, HTTP parser) with no more specific leaf here.
+
+    Args:
+        status: the HTTP status, 400..499.
+        message: client-safe text (the status phrase).
+    """
+
+    def __init__(self, status: int, message: str, *, reason: str = "http") -> None:
+        super().__init__(message, reason=reason)
+        self.status = status
+
+
+class BadRequest(ClientError):
     """400: malformed JSON or an invalid field (``param`` names the field)."""
 
     status = 400
@@ -79,7 +108,7 @@ class BadRequest(GatewayError):
     reason = "bad_request"
 
 
-class InvalidApiKey(GatewayError):
+class InvalidApiKey(ClientError):
     """401: missing, malformed, unknown, expired or revoked credential.
 
     The message is the same for every cause so that probing learns nothing; ``reason`` (bounded:
@@ -99,7 +128,7 @@ class InvalidApiKey(GatewayError):
         )
 
 
-class PermissionDenied(GatewayError):
+class PermissionDenied(ClientError):
     """403: a valid tenant asked for something its policy forbids."""
 
     status = 403
@@ -108,7 +137,7 @@ class PermissionDenied(GatewayError):
     reason = "policy"
 
 
-class NotFound(GatewayError):
+class NotFound(ClientError):
     """404: unknown route (``code`` ``not_found``) or unknown model (``model_not_found``)."""
 
     status = 404
@@ -117,7 +146,44 @@ class NotFound(GatewayError):
     reason = "not_found"
 
 
-class MethodNotAllowed(GatewayError):
+class ModelNotFound(NotFound):
+    """404 ``model_not_found`` in vLLM's wording for a ``model`` that is not the alias.
+
+    A name shaped like a credential (an API key or a JWT pasted into the wrong field) is not
+    echoed back; others are shown up to 200 characters.
+
+    Attributes:
+        name: the model name the client sent, as sent.
+    """
+
+    code = "model_not_found"
+
+    def __init__(self, name: str) -> None:
+        shown = "<redacted>" if name.startswith(("sk-", "eyJ")) else name[:200]
+        super().__init__(f"The model `{shown}` does not exist.", param="model")
+        self.name = name
+
+
+class EngineRejected(ClientError):
+    """The engine refused the request with a 4xx; its status and message pass through.
+
+    They describe the request (a prompt longer than the context, a bad field), so the client
+    sees what the engine said (vLLM's OpenAI-compatible error body).
+
+    Attributes:
+        status: the engine's HTTP status (400..499, not 401, 403 or 404).
+        message: the engine's ``error.message``, or a generic sentence.
+        param: the engine's ``error.param`` when a string.
+    """
+
+    reason = "engine_4xx"
+
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.status = status
+
+
+class MethodNotAllowed(ClientError):
     """405: a known route with the wrong method; ``Allow`` lists the right ones."""
 
     status = 405
@@ -126,7 +192,7 @@ class MethodNotAllowed(GatewayError):
     reason = "method_not_allowed"
 
 
-class RequestTimeout(GatewayError):
+class RequestTimeout(ClientError):
     """408: the client paused its upload longer than ``server.body_timeout_s``."""
 
     status = 408
@@ -135,7 +201,7 @@ class RequestTimeout(GatewayError):
     reason = "body_timeout"
 
 
-class PayloadTooLarge(GatewayError):
+class PayloadTooLarge(ClientError):
     """413: the body exceeds ``server.max_body_bytes``; it was read no further than the limit."""
 
     status = 413
@@ -144,7 +210,7 @@ class PayloadTooLarge(GatewayError):
     reason = "too_large"
 
 
-class RateLimited(GatewayError):
+class RateLimited(ClientError):
     """429 ``rate_limit_exceeded``; ``type`` names the limit (requests, tokens, concurrency, queue).
 
     ``retry_after_s`` is the real time until that limit frees; it is sent as ``Retry-After`` in whole
@@ -169,36 +235,100 @@ class RateLimited(GatewayError):
         self.retry_after_s = retry_after_s
 
 
-class EngineUnavailable(GatewayError):
-    """503: the engine is down, starting or warming up, or the gateway is saturated overall."""
+class UpstreamError(GatewayError):
+    """502, 503 or 504: the engine failed, timed out or is not available.
 
-    status = 503
-    type = "server_error"
-    code = "engine_unavailable"
-    reason = "engine_unavailable"
-
-    def __init__(self, message: str, retry_after_s: float, **kwargs: Any) -> None:
-        headers = dict(kwargs.pop("headers", None) or {})
-        headers["Retry-After"] = str(retry_after_header(retry_after_s))
-        super().__init__(message, headers=headers, **kwargs)
-
-
-class BadGateway(GatewayError):
-    """502: the engine answered something unusable or dropped the connection."""
+    ``kind`` is the label counted in ``gateway_upstream_errors_total`` when the engine boundary
+    (`gateway.upstream`) raises one (`gateway.metrics.UPSTREAM_ERROR_KINDS`).
+    """
 
     status = 502
     type = "server_error"
     code = "upstream_error"
     reason = "upstream_error"
+    kind = "bad_response"
 
 
-class GatewayTimeout(GatewayError):
+class EngineUnavailable(UpstreamError):
+    """503: the engine is down, starting or warming up, or the gateway is saturated overall."""
+
+    status = 503
+    code = "engine_unavailable"
+    reason = "engine_unavailable"
+    kind = "connect"
+
+    def __init__(
+        self,
+        message: str,
+        retry_after_s: float,
+        *,
+        headers: Mapping[str, str] | None = None,
+        code: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        merged = dict(headers or {})
+        merged["Retry-After"] = str(retry_after_header(retry_after_s))
+        super().__init__(message, headers=merged, code=code, reason=reason)
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnreachable(EngineUnavailable):
+    """503: the engine's socket refuses or is gone (engine down or loading)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The model is not available right now (engine unreachable). Retry later.",
+            retry_after_s=RETRY_AFTER_DOWN_S,
+        )
+
+
+class EngineBusy(EngineUnavailable):
+    """503: the engine itself answered 503 (busy or restarting)."""
+
+    kind = "status_5xx"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The model is not available right now (engine busy or restarting). Retry later.",
+            retry_after_s=RETRY_AFTER_DOWN_S,
+        )
+
+
+class BadGateway(UpstreamError):
+    """502: the engine answered something unusable or dropped the connection."""
+
+    def __init__(self, message: str = "The engine failed while answering this request.") -> None:
+        super().__init__(message)
+
+
+class EngineDisconnected(BadGateway):
+    """502: the engine dropped the connection while it was still up."""
+
+    kind = "disconnect"
+
+
+class EngineBadResponse(BadGateway):
+    """502: the engine answered something outside its protocol (bad JSON, an odd status)."""
+
+    kind = "bad_response"
+
+
+class EngineFailed(BadGateway):
+    """502: the engine answered with a 5xx status."""
+
+    kind = "status_5xx"
+
+
+class GatewayTimeout(UpstreamError):
     """504: the engine stayed silent longer than ``engine.read_timeout_s``."""
 
     status = 504
-    type = "server_error"
     code = "upstream_timeout"
     reason = "upstream_timeout"
+    kind = "timeout"
+
+    def __init__(self, message: str = "The engine did not answer in time.") -> None:
+        super().__init__(message)
 
 
 def retry_after_header(seconds: float) -> int:

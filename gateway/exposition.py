@@ -11,7 +11,6 @@ import hmac
 import time
 from collections.abc import Iterator
 
-import aiohttp
 import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -19,7 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from gateway.app import ENGINE, LIVE, METRICS
+from gateway.state import LIVE, METRICS, UPSTREAM
 
 log = structlog.get_logger("gateway.metrics")
 ENGINE_PREFIX = "vllm:"
@@ -94,11 +93,9 @@ class EngineScrape:
         async with self._lock:
             if time.monotonic() - self._at < settings.engine_scrape_cache_s:
                 return self._text
-            try:
-                raw = await self._app[ENGINE].metrics_text(settings.engine_scrape_timeout_s)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            raw = await self._app[UPSTREAM].metrics_text(settings.engine_scrape_timeout_s)
+            if raw is None:
                 metrics.engine_scrape_ok.set(0)
-                log.debug("engine_scrape_failed", error=type(exc).__name__)
                 self._text = ""
             else:
                 metrics.engine_scrape_ok.set(1)

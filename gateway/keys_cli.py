@@ -1,4 +1,4 @@
-"""The ``keys`` and ``token`` subcommands (DESIGN section 2): manage the keys file, issue JWTs."""
+"""The ``keys`` and ``token`` subcommands: manage the keys file, issue JWTs."""
 
 from __future__ import annotations
 
@@ -20,22 +20,19 @@ from cryptography.hazmat.primitives.serialization import (
 
 from gateway.auth import issue_token
 from gateway.config import TENANT_NAME_RE, ConfigError, Settings, load_settings
-from gateway.keys import (
+from gateway.credentials import (
     NAME_RE,
     SETTING_PREFIX,
     SIGNING_PREFIX,
     KeySet,
     KeysFileError,
     SigningKey,
-    append_line,
     b64url_encode,
     format_timestamp,
-    load_keys_file,
     parse_timestamp,
-    remove_line,
     secret_digest,
-    update_keys_file,
 )
+from gateway.keys_file import append_line, load_keys_file, remove_line, update_keys_file
 
 SECRET_PREFIX = "sk-q38-"
 BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"

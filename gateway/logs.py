@@ -1,7 +1,7 @@
 """Structured logs: structlog, one JSON object per line on stdout, ``request_id`` bound per request.
 
-Never log keys, tokens, prompts or completions: the access line carries only the fields of
-DESIGN section 7 and a bounded reason, and `redact_secrets` masks credential-shaped strings that
+Never log keys, tokens, prompts or completions: the access line carries only its fixed
+fields (`gateway.middleware.finish_request`) and a bounded reason, and `redact_secrets` masks credential-shaped strings that
 could still reach a line through an exception message.
 """
 

@@ -1,4 +1,4 @@
-"""Prometheus families of DESIGN section 7, on an injected `CollectorRegistry`.
+"""The gateway's Prometheus families, on an injected `CollectorRegistry`.
 
 Label values come only from bounded sets: configured tenants plus ``default`` and ``unknown``
 (`Settings.tenant_label`), route templates plus ``other``, status codes, and the fixed reason and
@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # Time to first token on a V100 at ~30 tok/s: tens of ms for a cached short prompt, minutes of
-# prefill for a 254,976-token prompt (vllm-protocol.md section 2); 50 ms .. 10 min.
+# prefill for a 254,976-token prompt; 50 ms .. 10 min.
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 # Whole requests: a thinking answer of 32k tokens at 30 tok/s is ~18 min; up to 30 min.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800)
@@ -48,7 +48,7 @@ UPSTREAM_ERROR_KINDS = (
     "status_5xx",
 )
 RATE_LIMITS = ("requests", "tokens", "concurrency", "queue")
-# vLLM's usage has no reasoning count (vllm-protocol.md section 5.1): completion includes it.
+# vLLM's usage has no reasoning count (OpenAI-compatible ``usage``): completion includes it.
 TOKEN_TYPES = ("prompt", "completion")
 RELOAD_RESULTS = ("ok", "error")
 RATELIMIT_BACKENDS = ("memory", "redis")

@@ -347,19 +347,3 @@ class MemoryRateLimiter(RateLimiter):
 
     async def close(self) -> None:
         """Nothing to close; counts are kept (a closed memory limiter still works)."""
-
-
-def create_rate_limiter(
-    settings: Settings, metrics: Metrics, *, clock: Callable[[], float] = time.monotonic
-) -> RateLimiter:
-    """The limiter ``[ratelimit] backend`` names: `MemoryRateLimiter` or ``RedisRateLimiter``.
-
-    The Redis limiter connects lazily and falls back to local limits while Redis is unreachable, so
-    this never fails for a Redis that is down. Call `RateLimiter.close` at shutdown.
-    """
-    if settings.ratelimit.backend == "redis":
-        from gateway.ratelimit_redis import RedisRateLimiter
-
-        return RedisRateLimiter(settings, metrics, clock=clock)
-    metrics.ratelimit_backend_up.labels("memory").set(1)
-    return MemoryRateLimiter(settings, metrics, clock=clock)

@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 import structlog
 
 from gateway.config import ConfigError, Settings, load_settings
-from gateway.keys import KeySet, KeysFileError, load_keys_file
+from gateway.credentials import KeySet, KeysFileError
+from gateway.keys_file import load_keys_file
 from gateway.metrics import Metrics
 
 # Settings read once when listeners and watchers start; a reload that changes them logs
@@ -143,7 +144,7 @@ class Reloader:
     socket, directory or hung mount at a watched path is reported as a failed reload and never
     stops the watcher, SIGHUP handling or shutdown.
 
-    Changes are found by polling ``os.stat`` every ``poll_s`` (DESIGN section 4: within 2 s) and
+    Changes are found by polling ``os.stat`` every ``poll_s`` (a rotation applies within 2 s by default) and
     on `trigger` (call it from the SIGHUP handler). Use from an aiohttp ``cleanup_ctx``:
     ``await reloader.start()``, ``yield``, ``await reloader.stop()``; start right after the
     initial load so the signatures recorded match what was loaded.

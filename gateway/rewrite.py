@@ -1,4 +1,4 @@
-"""Request rewriting (DESIGN section 6): alias, thinking mode, sampling defaults, usage, isolation.
+"""Request rewriting: alias, thinking mode, sampling defaults, usage, isolation.
 
 `plan_request` turns a client's JSON body into the exact body sent to the engine plus the facts
 the rest of the request path needs (stream or not, usage wanted, thinking, token reservation).
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gateway.config import Settings, TenantSettings
-from gateway.errors import BadRequest, NotFound, PermissionDenied
+from gateway.errors import BadRequest, ModelNotFound, PermissionDenied
 
 Kind = Literal["chat", "completions"]
 
-# Qwen3.8-27B model card, "Best Practices" (vllm-protocol.md section 9.5; DEPLOYMENT-NOTES.md).
+# Qwen3.8-27B model card, "Best Practices".
 SAMPLING_THINKING: Mapping[str, float | int] = {
     "temperature": 1.0,
     "top_p": 0.95,
@@ -52,7 +52,7 @@ class RequestPlan:
             `estimate_prompt_tokens`).
         max_output: output tokens the request may generate per choice.
         reserve_tokens: tokens to reserve against the tenant's budget:
-            ``prompt_estimate + max_output * n`` (issue 4).
+            ``prompt_estimate + max_output * n``.
     """
 
     body: bytes
@@ -65,18 +65,11 @@ class RequestPlan:
     reserve_tokens: int
 
 
-def model_not_found(name: str) -> NotFound:
-    """404 ``model_not_found`` in vLLM's wording; a name shaped like a credential (an API key
-    or a JWT pasted into the wrong field) is not echoed back."""
-    shown = "<redacted>" if name.startswith(("sk-", "eyJ")) else name[:200]
-    return NotFound(f"The model `{shown}` does not exist.", param="model", code="model_not_found")
-
-
 def cache_salt(secret: bytes, tenant: str) -> str:
     """Per-tenant prefix-cache salt: hex HMAC-SHA256 of the tenant name under a server secret.
 
     Tenants never share cached prefixes (a timing side channel), while one tenant's requests
-    still hit its own cache (vllm-protocol.md section 4.2, ``cache_salt``).
+    still hit its own cache (vLLM docs, "Automatic Prefix Caching", ``cache_salt``).
     """
     return hmac.new(secret, tenant.encode(), hashlib.sha256).hexdigest()
 
@@ -135,7 +128,7 @@ def _text_bytes(value: Any) -> int:
 
 
 def resolve_thinking(body: Mapping[str, Any], settings: Settings, tenant: TenantSettings) -> bool:
-    """The effective thinking mode, first decider wins (DESIGN section 6).
+    """The effective thinking mode, first decider wins.
 
     Order: ``chat_template_kwargs.enable_thinking``, top-level ``enable_thinking``,
     ``reasoning_effort`` (``"none"`` is off, any other value on), the tenant's default, the
@@ -206,14 +199,14 @@ def plan_request(
 
     Raises:
         BadRequest: not an object, missing ``messages``/``prompt``, fields of the wrong type.
-        NotFound: ``model`` is neither absent nor the alias (code ``model_not_found``).
+        ModelNotFound: ``model`` is neither absent nor the alias.
         PermissionDenied: thinking requested by a tenant that may not use it.
     """
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
     model = body.get("model")
     if model is not None and not (isinstance(model, str) and settings.model.accepts(model)):
-        raise model_not_found(model if isinstance(model, str) else json.dumps(model))
+        raise ModelNotFound(model if isinstance(model, str) else json.dumps(model))
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

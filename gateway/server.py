@@ -19,11 +19,12 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from gateway.app import ADMISSION, METRICS, RELOADER, create_app
+from gateway.app import create_app
 from gateway.config import ConfigError, Settings, listener_problem
 from gateway.drain import DRAIN, Drain
-from gateway.errors import BadRequest, GatewayError
+from gateway.errors import BadRequest, GatewayError, HttpError
 from gateway.exposition import create_metrics_app
+from gateway.state import ADMISSION, METRICS, RELOADER
 from gateway.tls import TlsFiles
 
 log = structlog.get_logger("gateway")
@@ -49,8 +50,7 @@ class _RequestHandler(RequestHandler):
         log.info("http_error", status=status, error=type(exc).__name__ if exc else None)
         error: GatewayError = BadRequest("Malformed HTTP request.")
         if status != 400:
-            error = GatewayError(HTTPStatus(status).phrase, type="invalid_request_error")
-            error.status = status  # type: ignore[misc]
+            error = HttpError(status, HTTPStatus(status).phrase)
         response = web.Response(
             status=status, body=error.json_bytes(), content_type="application/json"
         )
@@ -91,7 +91,7 @@ async def serve(settings: Settings, config_path: str | None) -> int:
     exits at once.
 
     Raises:
-        gateway.keys.KeysFileError: the keys file cannot be used (raised before listening).
+        gateway.credentials.KeysFileError: the keys file cannot be used (raised before listening).
         gateway.config.ConfigError: plain HTTP on a non-loopback address without
             ``server.plain_http``.
         gateway.tls.TlsError: a configured certificate or key does not load.

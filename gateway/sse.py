@@ -1,14 +1,14 @@
 """The SSE relay core: engine bytes in, client bytes out, with the contract's few rewrites. No I/O.
 
 The engine frames each event as ``data: <json>\\n\\n`` and ends with ``data: [DONE]\\n\\n``
-(vllm-protocol.md section 5.3). This module tolerates what real upstreams and proxies do instead
+(vLLM's OpenAI-compatible server; the SSE format is WHATWG HTML, "Server-sent events"). This module tolerates what real upstreams and proxies do instead
 (cases C02-C08): events split across reads or several in one read, CRLF or bare-CR framing,
 comment lines, multi-line data, reads cut inside a UTF-8 character, a missing ``[DONE]``.
 
 It works on bytes and decodes JSON only for the few events that need it (usage chunks, error
 events, chunks carrying both reasoning names). Rewrites, all byte-level on compact engine JSON:
 
-- ``"reasoning":`` becomes ``"reasoning_content":`` (DESIGN section 6);
+- ``"reasoning":`` becomes ``"reasoning_content":`` (the name OpenAI-compatible clients read);
 - ``"model":"<engine name>"`` becomes the public alias when they differ;
 - the usage-only chunk is dropped unless the client asked for ``include_usage``;
 - ``data: [DONE]`` is sent exactly once, by this module, at a clean end.
@@ -17,7 +17,7 @@ events, chunks carrying both reasoning names). Rewrites, all byte-level on compa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -30,10 +30,15 @@ class StreamProtocolError(Exception):
 
 @dataclass
 class Usage:
-    """Token usage as the engine reported it (OpenAI ``usage`` object); counts are tokens."""
+    """Token usage as the engine reported it (OpenAI ``usage`` object); counts are tokens.
+
+    ``reasoning_tokens`` is ``completion_tokens_details.reasoning_tokens`` when reported (part
+    of ``completion_tokens``), else None.
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int | None = None
 
 
 @dataclass
@@ -56,7 +61,6 @@ class RelayState:
     done: bool = False
     finished_choices: int = 0
     error: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class SseRelay:
@@ -255,9 +259,12 @@ class SseRelay:
             return False
         usage = obj.get("usage")
         if isinstance(usage, dict):
+            details = usage.get("completion_tokens_details")
+            reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
             self.state.usage = Usage(
                 prompt_tokens=_int(usage.get("prompt_tokens")),
                 completion_tokens=_int(usage.get("completion_tokens")),
+                reasoning_tokens=_int(reasoning) if reasoning is not None else None,
             )
         return obj.get("choices") == []
 
@@ -304,7 +311,7 @@ def rewrite_completion_body(body: dict[str, Any], alias: str) -> dict[str, Any]:
     """Rewrite a non-streaming engine answer in place: alias as ``model``, ``reasoning_content``.
 
     Args:
-        body: the engine's JSON object (vllm-protocol.md section 5.1 or 8.3).
+        body: the engine's JSON object (OpenAI's chat completion or completion object).
         alias: the public model id.
 
     Returns the same object, for chaining.

@@ -1,30 +1,48 @@
-"""The engine client: one aiohttp session over the Unix socket, the health poller, error translation.
+"""The engine boundary: the session over the engine's Unix socket, its answers, health and errors.
 
-aiohttp client exceptions are translated here into `gateway.errors` (STYLE: third-party errors
-are translated where the library is called) and counted in ``gateway_upstream_errors_total``.
+Everything the gateway knows about talking to the engine lives here: `Upstream` POSTs a request
+and returns an `UpstreamAnswer` (its chunks, its body, abort, release); every aiohttp client
+failure is translated here into a `gateway.errors.UpstreamError` and counted once in
+``gateway_upstream_errors_total`` (labelled with the error's ``kind``); a non-200 answer becomes
+its error by `engine_error`. The engine's health (`EngineState`, `poll_health`) and the drift
+check between admitted and running requests (`check_drift`, `engine_running`) live here too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import Callable
 from typing import Literal
 
 import aiohttp
 import structlog
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import EngineSettings
-from gateway.errors import BadGateway, EngineUnavailable, GatewayError, GatewayTimeout
+from gateway.errors import (
+    RETRY_AFTER_DOWN_S,
+    RETRY_AFTER_STARTING_S,
+    EngineBadResponse,
+    EngineBusy,
+    EngineDisconnected,
+    EngineFailed,
+    EngineRejected,
+    EngineUnavailable,
+    EngineUnreachable,
+    GatewayError,
+    GatewayTimeout,
+    UpstreamError,
+)
 from gateway.metrics import Metrics
 
 log = structlog.get_logger("gateway.upstream")
+events = structlog.get_logger("gateway")
 
 EngineStatus = Literal["starting", "warming", "ready", "down"]
-# Seconds a client should wait before retrying while the engine loads or restarts: a V100 takes
-# minutes to load and warm up the 23 GB checkpoint, a crash restart about as long.
-RETRY_AFTER_STARTING_S = 30.0
-RETRY_AFTER_DOWN_S = 10.0
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
 
 
 class EngineState:
@@ -84,8 +102,8 @@ class EngineState:
         return True
 
 
-class EngineClient:
-    """HTTP over the engine's Unix socket.
+class Upstream:
+    """The engine over its Unix socket: one aiohttp session, connections pooled.
 
     Idle pooled connections are closed after ``pool_idle_s`` (below the engine's 5 s keep-alive);
     there is no total timeout (thinking answers run for many minutes), only ``connect_timeout_s``
@@ -113,34 +131,32 @@ class EngineClient:
         """Close every pooled connection."""
         await self.session.close()
 
-    def error(self, kind: str, exc: BaseException | None = None) -> GatewayError:
-        """Count an upstream failure of ``kind`` and return the client-facing error for it."""
-        self._metrics.upstream_errors.labels(kind).inc()
-        detail = type(exc).__name__ if exc is not None else kind
-        log.warning("upstream_error", kind=kind, error=detail)
-        if kind == "connect":
-            return EngineUnavailable(
-                "The model is not available right now (engine unreachable). Retry later.",
-                retry_after_s=RETRY_AFTER_DOWN_S,
-            )
-        if kind == "timeout":
-            return GatewayTimeout("The engine did not answer in time.")
-        return BadGateway("The engine failed while answering this request.")
+    def failed(self, error: UpstreamError, cause: BaseException | None = None) -> UpstreamError:
+        """Count ``error`` in ``gateway_upstream_errors_total{kind}``, log it, and return it."""
+        self.count(error.kind, cause)
+        return error
 
-    async def post(self, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
-        """POST a JSON body; return the response with its headers read and its body unread.
+    def count(self, kind: str, cause: BaseException | None = None) -> None:
+        """Count one upstream failure of ``kind`` (`gateway.metrics.UPSTREAM_ERROR_KINDS`)."""
+        self._metrics.upstream_errors.labels(kind).inc()
+        if kind != "stream_error":
+            detail = type(cause).__name__ if cause is not None else kind
+            log.warning("upstream_error", kind=kind, error=detail)
+
+    async def post(self, path: str, body: bytes, request_id: str) -> UpstreamAnswer:
+        """POST a JSON body; return the answer with its headers read and its body unread.
 
         Never retried on a live engine: a connection that drops may have carried a whole
         generation, and running it twice costs the one-sequence engine minutes. A drop is
         followed by one ``/health`` probe: an engine that no longer answers died (its pooled
-        connections die with it), which is reported as unavailable so that a queued request
+        connections die with it), which is reported as unreachable so that a queued request
         can wait for the engine's return instead of failing.
 
         Raises:
-            EngineUnavailable: the socket refuses or does not exist (engine down or loading),
+            EngineUnreachable: the socket refuses or does not exist (engine down or loading),
                 or the connection dropped and the engine no longer answers.
             GatewayTimeout: no answer within ``read_timeout_s``.
-            BadGateway: the engine dropped the connection and is still up.
+            EngineDisconnected: the engine dropped the connection and is still up.
         """
         headers = {
             "Content-Type": "application/json",
@@ -148,16 +164,18 @@ class EngineClient:
             "X-Request-Id": request_id,
         }
         try:
-            return await self.session.post(
+            response = await self.session.post(
                 f"http://engine{path}", data=body, headers=headers, compress=False
             )
-        except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as exc:
-            raise self.error("connect", exc) from exc
+        except _CONNECT_ERRORS as exc:
+            raise self.failed(EngineUnreachable(), exc) from exc
         except asyncio.TimeoutError as exc:
-            raise self.error("timeout", exc) from exc
+            raise self.failed(GatewayTimeout(), exc) from exc
         except aiohttp.ClientError as exc:
             status, _ = await self.health(timeout=min(1.0, self.settings.connect_timeout_s))
-            raise self.error("connect" if status == "down" else "disconnect", exc) from exc
+            error = EngineUnreachable() if status == "down" else EngineDisconnected()
+            raise self.failed(error, exc) from exc
+        return UpstreamAnswer(self, response)
 
     async def health(self, timeout: float) -> tuple[EngineStatus, str | None]:
         """Probe ``GET /health``: ``ready`` on 200, ``down`` otherwise, with a short reason."""
@@ -169,21 +187,193 @@ class EngineClient:
                 if resp.status == 200:
                     return "ready", None
                 return "down", f"health status {resp.status}"
-        except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError):
+        except _CONNECT_ERRORS:
             return "down", "connection refused"
         except asyncio.TimeoutError:
             return "down", "health timeout"
         except aiohttp.ClientError as exc:
             return "down", type(exc).__name__
 
-    async def metrics_text(self, timeout: float) -> str:
-        """The engine's Prometheus exposition text.
+    async def metrics_text(self, timeout: float) -> str | None:
+        """The engine's Prometheus exposition text, or None when it did not answer 200 in time."""
+        try:
+            async with self.session.get(
+                "http://engine/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                resp.raise_for_status()
+                return await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            log.debug("engine_scrape_failed", error=type(exc).__name__)
+            return None
+
+
+class UpstreamAnswer:
+    """One engine answer: status and headers read, body unread.
+
+    Read it with `chunks` (a stream) or `body` (JSON), or turn a non-200 answer into its error
+    with `error`. End it with `release` after a complete read (the connection returns to the
+    pool) or `abort` otherwise: closing the socket is how the engine learns to stop generating
+    (vLLM aborts a request whose client disconnected). Read failures raise `UpstreamError`s,
+    already counted.
+    """
+
+    __slots__ = ("_content", "_response", "_upstream", "status")
+
+    def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
+        self._upstream = upstream
+        self._response = response
+        self._content = response.content
+        self.status = response.status
+
+    def __aiter__(self) -> UpstreamAnswer:
+        return self
+
+    async def __anext__(self) -> bytes:
+        """The next read of the body as it arrives (any size); StopAsyncIteration at its end.
 
         Raises:
-            aiohttp.ClientError, asyncio.TimeoutError: the engine did not answer in time.
+            GatewayTimeout: no byte for ``engine.read_timeout_s``.
+            EngineDisconnected: the connection dropped or the body was malformed.
         """
-        async with self.session.get(
-            "http://engine/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
-            resp.raise_for_status()
-            return await resp.text()
+        try:
+            data = await self._content.readany()
+        except asyncio.TimeoutError as exc:
+            raise self._upstream.failed(GatewayTimeout(), exc) from exc
+        except aiohttp.ClientError as exc:
+            raise self._upstream.failed(EngineDisconnected(), exc) from exc
+        if not data:
+            raise StopAsyncIteration
+        return data
+
+    def chunks(self) -> UpstreamAnswer:
+        """The body as an async iterator of reads (``async for data in answer.chunks()``)."""
+        return self
+
+    async def body(self) -> bytes:
+        """The whole body.
+
+        Raises:
+            GatewayTimeout: no byte for ``engine.read_timeout_s``.
+            EngineDisconnected: the connection dropped.
+        """
+        try:
+            return await self._response.read()
+        except asyncio.TimeoutError as exc:
+            raise self._upstream.failed(GatewayTimeout(), exc) from exc
+        except aiohttp.ClientError as exc:
+            raise self._upstream.failed(EngineDisconnected(), exc) from exc
+
+    async def error(self) -> GatewayError:
+        """The error a non-200 answer stands for (`engine_error`), body read; counted when 5xx."""
+        try:
+            raw = await self._response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return self._upstream.failed(EngineDisconnected(), exc)
+        error = engine_error(self.status, raw)
+        if isinstance(error, UpstreamError):
+            self._upstream.failed(error)
+        return error
+
+    def failed(self, error: UpstreamError, cause: BaseException | None = None) -> UpstreamError:
+        """Count a failure found in this answer's content (a bad body, a cut stream)."""
+        return self._upstream.failed(error, cause)
+
+    def reported_error(self) -> None:
+        """Count an error event the engine sent inside its stream (kind ``stream_error``)."""
+        self._upstream.count("stream_error")
+
+    def release(self) -> None:
+        """The body was read to its end: return the connection to the pool."""
+        self._response.release()
+
+    def abort(self) -> None:
+        """Close the connection: the engine aborts the generation (case C10)."""
+        self._response.close()
+
+
+def engine_error(status: int, body: bytes) -> GatewayError:
+    """Translate a non-200 engine answer into the error the client gets.
+
+    A 4xx other than 401/403/404 describes the request: `EngineRejected` with the engine's
+    status, ``error.message`` and ``error.param`` (vLLM's OpenAI-compatible error body). 503 is
+    `EngineBusy`; other 5xx `EngineFailed`; anything else (401, 403, 404, 1xx, 3xx) is a bad
+    answer (`EngineBadResponse`). Not counted: `UpstreamAnswer.error` counts.
+    """
+    if 400 <= status < 500 and status not in (401, 403, 404):
+        message, param = "The engine rejected the request.", None
+        try:
+            obj = json.loads(body)
+            err = obj.get("error") if isinstance(obj, dict) else None
+            if isinstance(err, dict):
+                message = str(err.get("message") or message)
+                param = err.get("param") if isinstance(err.get("param"), str) else None
+        except ValueError:
+            pass
+        return EngineRejected(status, message, param=param)
+    if status == 503:
+        return EngineBusy()
+    if status >= 500:
+        return EngineFailed()
+    return EngineBadResponse()
+
+
+async def poll_health(
+    upstream: Upstream, state: EngineState, settings: Callable[[], EngineSettings]
+) -> None:
+    """Probe the engine's /health every ``engine.health_interval_s`` seconds, forever.
+
+    ``settings`` returns the live ``[engine]`` table (a reload changes the interval).
+    """
+    while True:
+        engine = settings()
+        status, error = await upstream.health(timeout=max(1.0, engine.health_interval_s))
+        if status == "ready" and engine.ready_file and not os.path.exists(engine.ready_file):
+            status = "warming"
+        if status == "down" and state.status == "starting":
+            status = "starting"
+        state.set(status, error)
+        await asyncio.sleep(engine.health_interval_s)
+
+
+def engine_running(text: str) -> float | None:
+    """``vllm:num_requests_running`` summed over engines, from a Prometheus exposition text.
+
+    Raises:
+        ValueError: the text is not the Prometheus text format.
+    """
+    total = None
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:num_requests_running":
+            total = sum(sample.value for sample in family.samples)
+    return total
+
+
+async def check_drift(
+    upstream: Upstream,
+    state: EngineState,
+    in_flight: Callable[[], int],
+    interval_s: Callable[[], float],
+) -> None:
+    """Compare the gateway's in-flight count with the engine's running requests; log drift.
+
+    The engine running more requests than the gateway admitted means generations nobody waits
+    for (an abort that did not reach the engine); fewer, for two checks in a row, means a slot
+    the gateway never released. Both are logged as ``inflight_drift`` for the operator.
+    """
+    previous = 0.0
+    while True:
+        await asyncio.sleep(interval_s())
+        if not state.ready:
+            continue
+        text = await upstream.metrics_text(timeout=5.0)
+        try:
+            running = engine_running(text) if text is not None else None
+        except ValueError:
+            continue
+        if running is None:
+            continue
+        admitted = in_flight()
+        drift = admitted - running
+        if drift and previous and (drift > 0) == (previous > 0):
+            events.warning("inflight_drift", gateway_in_flight=admitted, engine_running=running)
+        previous = drift

@@ -20,8 +20,8 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from gateway.auth import Authenticator, Principal, issue_token
+from gateway.credentials import KeySet, b64url_encode, parse_keys
 from gateway.errors import InvalidApiKey
-from gateway.keys import KeySet, b64url_encode, parse_keys
 from gateway.metrics import AUTH_FAILURE_REASONS
 
 NOW = 1_800_000_000.0

@@ -16,7 +16,8 @@ import pytest
 
 from engine.config import load_settings as load_engine_settings
 from gateway.config import load_settings as load_gateway_settings
-from gateway.keys import load_keys_file, parse_keys, secret_digest
+from gateway.credentials import parse_keys, secret_digest
+from gateway.keys_file import load_keys_file
 from tests.conftest import Gateway, Sim, free_port, to_toml, wait_until
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.keys import (
-    KeysFileError,
+from gateway.credentials import KeysFileError, b64url_encode, parse_keys, parse_timestamp
+from gateway.keys_file import (
     append_line,
-    b64url_encode,
     check_keys_file,
     load_keys_file,
-    parse_keys,
-    parse_timestamp,
     remove_line,
     update_keys_file,
 )

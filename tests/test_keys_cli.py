@@ -14,8 +14,8 @@ import pytest
 
 from gateway.auth import Authenticator
 from gateway.errors import InvalidApiKey
-from gateway.keys import load_keys_file
 from gateway.keys_cli import add_subcommands
+from gateway.keys_file import load_keys_file
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET_RE = re.compile(r"sk-q38-[0-9A-Za-z]{32}")

@@ -18,7 +18,7 @@ from structlog.testing import LogCapture, capture_logs
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from gateway.keys import load_keys_file
+from gateway.keys_file import load_keys_file
 from gateway.logs import REDACTED, configure_logging, redact_secrets, set_level
 from gateway.metrics import Metrics
 from gateway.upstream import EngineState

@@ -24,7 +24,7 @@ from gateway.exposition import (
     create_metrics_app,
     engine_families,
 )
-from gateway.keys import load_keys_file
+from gateway.keys_file import load_keys_file
 from gateway.metrics import (
     DURATION_BUCKETS,
     QUEUE_WAIT_BUCKETS,

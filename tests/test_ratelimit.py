@@ -9,12 +9,12 @@ from prometheus_client import CollectorRegistry
 
 from gateway.config import Settings, TenantSettings, parse_settings
 from gateway.errors import RateLimited
+from gateway.limiter import create_rate_limiter
 from gateway.metrics import Metrics
 from gateway.ratelimit import (
     HEADER_NAMES,
     MemoryRateLimiter,
     RateLimiter,
-    create_rate_limiter,
     format_reset,
 )
 

@@ -20,8 +20,8 @@ from structlog.testing import capture_logs
 
 from gateway.config import RatelimitSettings, Settings, TenantSettings
 from gateway.errors import RateLimited
+from gateway.limiter import create_rate_limiter
 from gateway.metrics import Metrics
-from gateway.ratelimit import create_rate_limiter
 from gateway.ratelimit_redis import RedisRateLimiter
 
 REDIS_SERVER = shutil.which("redis-server")

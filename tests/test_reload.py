@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from gateway.config import Settings, load_settings
-from gateway.keys import KeySet, load_keys_file
+from gateway.credentials import KeySet
+from gateway.keys_file import load_keys_file
 from gateway.metrics import Metrics
 from gateway.reload import Reloader
 

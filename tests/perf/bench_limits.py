@@ -22,8 +22,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway.admission import AdmissionQueue
 from gateway.config import RatelimitSettings, Settings, TenantSettings
+from gateway.limiter import create_rate_limiter
 from gateway.metrics import Metrics
-from gateway.ratelimit import RateLimiter, create_rate_limiter
+from gateway.ratelimit import RateLimiter
 
 # Limits no benchmark request reaches: the cost measured is the check, never a refusal.
 TENANT = TenantSettings(name="bench", rpm=10**9, tpm=10**12, concurrency=100_000)

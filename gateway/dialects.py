@@ -1,0 +1,142 @@
+"""Client API dialects: how one client-facing API maps onto the engine's chat or completions path.
+
+A `Dialect` is the set of decisions the model path leaves to the API the client speaks: how its
+body becomes the engine request (`Dialect.plan`), how the engine's stream and JSON answer become
+its answer (`Dialect.stream_relay`, `Dialect.json_answer`), and the shape of its errors
+(`Dialect.error_body`, `Dialect.error_event`). The model path (`gateway.proxy`) calls these at
+its seams and nothing else varies between dialects. `CHAT` and `COMPLETIONS` are OpenAI's two
+(OpenAI API reference, "Chat Completions" and "Completions"), which the engine speaks natively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.config import Settings, TenantSettings
+from gateway.errors import GatewayError
+from gateway.rewrite import Kind, RequestPlan, plan_request
+from gateway.sse import RelayState, SseRelay, rewrite_completion_body
+
+
+class StreamRelay(Protocol):
+    """What the stream relay drives: engine SSE bytes in, client bytes out, no I/O.
+
+    `gateway.sse.SseRelay` is OpenAI's; a dialect with another event vocabulary provides its
+    own. ``state`` is read for accounting (usage, events), ``clean_end`` after the last read.
+    """
+
+    state: RelayState
+
+    def feed(self, data: bytes) -> bytes:
+        """One engine read in; the bytes for the client now (possibly ``b""``)."""
+
+    def finish(self) -> bytes:
+        """Engine EOF: the last bytes for the client."""
+
+    @property
+    def clean_end(self) -> bool:
+        """True when the engine's stream ended as a complete answer."""
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What planning a request may read: the parsed body and the request's fixed facts.
+
+    Attributes:
+        body: the parsed JSON body (any JSON value; the dialect validates it).
+        settings: the request's configuration snapshot.
+        tenant: the caller's tenant settings.
+        request_id: the gateway's request id (sent to the engine).
+        salt_secret: the server secret for the per-tenant prefix-cache salt.
+    """
+
+    body: Any
+    settings: Settings
+    tenant: TenantSettings
+    request_id: str
+    salt_secret: bytes
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """One client API on the model path.
+
+    Attributes:
+        name: short label for logs and records (``chat``, ``completions``).
+        engine_path: the engine endpoint the request is sent to.
+        plan: validate the client body and build the engine request (`RequestPlan`).
+            Raises `gateway.errors.ClientError` subclasses for bad input.
+        stream_relay: a fresh `StreamRelay` for one streaming answer, given the request's
+            settings and plan.
+        json_answer: rewrite the engine's JSON answer (a dict) into the client's, in place or
+            new, given the request's settings.
+        error_body: an error as the body of a JSON error response.
+        error_event: an error as the final event of a stream whose headers went out.
+    """
+
+    name: str
+    engine_path: str
+    plan: Callable[[PlanInput], RequestPlan]
+    stream_relay: Callable[[Settings, RequestPlan], StreamRelay]
+    json_answer: Callable[[dict[str, Any], Settings], dict[str, Any]]
+    error_body: Callable[[GatewayError], bytes]
+    error_event: Callable[[GatewayError], bytes]
+
+
+def _openai_planner(kind: Kind) -> Callable[[PlanInput], RequestPlan]:
+    def plan(given: PlanInput) -> RequestPlan:
+        return plan_request(
+            given.body,
+            kind,
+            settings=given.settings,
+            tenant=given.tenant,
+            request_id=given.request_id,
+            salt_secret=given.salt_secret,
+        )
+
+    return plan
+
+
+def _openai_relay(settings: Settings, plan: RequestPlan) -> StreamRelay:
+    return SseRelay(
+        settings.engine.model,
+        settings.model.alias,
+        client_wants_usage=plan.client_wants_usage,
+        n=plan.n,
+    )
+
+
+def _openai_json(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    return rewrite_completion_body(body, settings.model.alias)
+
+
+def openai_error_body(error: GatewayError) -> bytes:
+    """OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``, as JSON."""
+    return error.json_bytes()
+
+
+def openai_error_event(error: GatewayError) -> bytes:
+    """OpenAI's error object as one SSE ``data:`` event."""
+    return error.sse_event()
+
+
+CHAT = Dialect(
+    name="chat",
+    engine_path="/v1/chat/completions",
+    plan=_openai_planner("chat"),
+    stream_relay=_openai_relay,
+    json_answer=_openai_json,
+    error_body=openai_error_body,
+    error_event=openai_error_event,
+)
+COMPLETIONS = Dialect(
+    name="completions",
+    engine_path="/v1/completions",
+    plan=_openai_planner("completions"),
+    stream_relay=_openai_relay,
+    json_answer=_openai_json,
+    error_body=openai_error_body,
+    error_event=openai_error_event,
+)

@@ -1,0 +1,69 @@
+"""The plain routes: /health, /ready, /v1/models and /v1/models/{id}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from gateway.errors import ModelNotFound
+from gateway.state import ADMISSION, CLOCK, CONTEXT, ENGINE_STATE, LIMITER, STARTED, Caller
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while the process is alive."""
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """200 when keys are loaded and the engine is healthy and warm; JSON detail either way.
+
+    Body: ``ready`` (bool), ``engine`` (status), ``engine_state_for_s`` (seconds in that
+    status), ``keys_loaded`` (API keys), ``queue_depth`` and ``in_flight`` (requests).
+    """
+    app = request.app
+    state = app[ENGINE_STATE]
+    live = request[CONTEXT].live
+    keys_ok = live.keys.key_count > 0 or bool(live.keys.signing_keys)
+    is_ready = keys_ok and state.ready
+    body = {
+        "ready": is_ready,
+        "engine": state.status,
+        "engine_state_for_s": round(app[CLOCK]() - state.since, 3),
+        "keys_loaded": live.keys.key_count,
+        "queue_depth": app[ADMISSION].depth,
+        "in_flight": app[ADMISSION].in_flight,
+    }
+    return web.json_response(body, status=200 if is_ready else 503)
+
+
+def _model_card(request: web.Request) -> dict[str, Any]:
+    settings = request[CONTEXT].live.settings
+    return {
+        "id": settings.model.alias,
+        "object": "model",
+        "created": int(request.app[STARTED]),
+        "owned_by": "qwen38-gateway",
+        "max_model_len": settings.engine.max_model_len,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The alias only, in OpenAI's list shape; no server paths (vLLM's ``/v1/models`` shape)."""
+    headers = await _limit_headers(request)
+    return web.json_response({"object": "list", "data": [_model_card(request)]}, headers=headers)
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """One model card, or 404 ``model_not_found``."""
+    name = request.match_info["id"]
+    if name != request[CONTEXT].live.settings.model.alias:
+        raise ModelNotFound(name)
+    headers = await _limit_headers(request)
+    return web.json_response(_model_card(request), headers=headers)
+
+
+async def _limit_headers(request: web.Request) -> dict[str, str]:
+    caller = request[CONTEXT].caller
+    assert isinstance(caller, Caller), "authentication runs before this handler"
+    return await request.app[LIMITER].headers(caller.tenant)

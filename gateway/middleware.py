@@ -1,0 +1,200 @@
+"""The middlewares, outermost first as starlette orders them: context, errors, authentication.
+
+- `context_middleware`: the request id, the `RequestContext` (configuration snapshot taken once),
+  and at the end the one access line, the request metrics and the finish hooks;
+- `error_middleware`: a `GatewayError` (or aiohttp's 404/405, or a bug) becomes its error
+  response before the response started; after, the handler has already ended its stream;
+- `auth_middleware`: every path but /health and /ready needs a credential (case C14); the
+  caller is resolved once into `Caller`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from gateway.errors import GatewayError, HttpError, MethodNotAllowed, NotFound
+from gateway.metrics import ROUTES
+from gateway.state import (
+    CLOCK,
+    CONTEXT,
+    DIALECTS,
+    FINISH_HOOKS,
+    LIVE,
+    METRICS,
+    Caller,
+    RequestContext,
+)
+
+log = structlog.get_logger("gateway.access")
+events = structlog.get_logger("gateway")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def sane_request_id(value: str) -> bool:
+    """A client request id is kept when short and plain, and not shaped like a credential
+    (an ``sk-`` key or a JWT sent by mistake would otherwise reach logs and the engine)."""
+    return bool(_REQUEST_ID_RE.match(value)) and not value.startswith(("sk-", "eyJ"))
+
+
+def _route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    canonical = resource.canonical if resource is not None else "other"
+    return canonical if canonical in ROUTES else "other"
+
+
+@web.middleware
+async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Make the `RequestContext`; at the end log the access line and count the request once.
+
+    A client that went away (the handler cancelled) is logged with status 499 (nginx's
+    "client closed request").
+    """
+    app = request.app
+    supplied = request.headers.get("X-Request-Id", "")
+    request_id = supplied if sane_request_id(supplied) else uuid.uuid4().hex
+    route = _route_label(request)
+    context = RequestContext(
+        request_id=request_id, started=app[CLOCK](), route=route, live=app[LIVE].current
+    )
+    dialect = app[DIALECTS].get(route)
+    if dialect is not None:
+        context.dialect = dialect
+    request[CONTEXT] = context
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        response = await handler(request)
+        if not context.status:
+            context.status = response.status
+        response.headers["x-request-id"] = request_id
+        return response
+    except asyncio.CancelledError:
+        context.status = 499
+        context.reason = context.reason or "client_disconnect"
+        raise
+    finally:
+        finish_request(request, context)
+        structlog.contextvars.unbind_contextvars("request_id")
+
+
+def finish_request(request: web.Request, context: RequestContext) -> None:
+    """Emit the access line and the request metrics exactly once, then run the finish hooks."""
+    app = request.app
+    metrics = app[METRICS]
+    duration = app[CLOCK]() - context.started
+    context.duration_s = duration
+    if not context.status:
+        context.status = 500
+    status = context.status
+    label = context.tenant_label
+    metrics.requests.labels(label, context.route, str(status)).inc()
+    metrics.request_duration.labels(label, context.route).observe(duration)
+    fields: dict[str, Any] = {
+        "method": request.method,
+        "route": context.route,
+        "status": status,
+        "tenant": label,
+        "duration_ms": round(duration * 1000, 2),
+    }
+    if context.caller is not None:
+        fields["key_id"] = context.caller.principal.key_id
+    call = context.call
+    if call is not None and call.plan is not None:
+        fields["stream"] = call.plan.stream
+        if call.plan.thinking is not None:
+            fields["thinking"] = call.plan.thinking
+        if call.ttft_s is not None:
+            fields["ttft_ms"] = round(call.ttft_s * 1000, 2)
+        if call.usage.settled:
+            fields["prompt_tokens"] = call.usage.prompt_tokens
+            fields["completion_tokens"] = call.usage.completion_tokens
+    if context.reason:
+        fields["reason"] = context.reason
+    if status >= 500:
+        log.warning("request", **fields)
+    else:
+        log.info("request", **fields)
+    for hook in app[FINISH_HOOKS]:
+        try:
+            hook(context)
+        except Exception:
+            events.exception("finish_hook_failed")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn an error raised before the response started into its JSON error response.
+
+    `GatewayError`s are serialised in the route's dialect (OpenAI's shape for every route
+    today); aiohttp's routing answers (404, 405) are translated first; anything else is a bug:
+    logged with its traceback, answered 500.
+    """
+    context = request[CONTEXT]
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        error = exc
+        context.reason = context.reason or exc.reason
+    except web.HTTPException as exc:
+        error = _translate_http(exc)
+        context.reason = context.reason or "http"
+    except Exception:
+        events.exception("unhandled_error")
+        error = GatewayError("Internal server error.")
+        context.reason = "internal"
+    return web.Response(
+        status=error.status,
+        body=context.dialect.error_body(error),
+        content_type="application/json",
+        headers=error.headers,
+    )
+
+
+def _translate_http(exc: web.HTTPException) -> GatewayError:
+    """aiohttp's routing answers (404/405) in OpenAI shape."""
+    if exc.status == 405:
+        allowed = exc.headers.get("Allow", "")
+        return MethodNotAllowed(
+            "Method not allowed for this route.", headers={"Allow": allowed} if allowed else None
+        )
+    if exc.status == 404:
+        return NotFound("Unknown route.")
+    if 400 <= exc.status < 500:
+        return HttpError(exc.status, exc.reason or "HTTP error")
+    error = GatewayError(exc.reason or "HTTP error")
+    error.status = exc.status
+    return error
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every path but /health and /ready needs a credential, unknown paths included (C14).
+
+    Authentication decides on the same normalised path the router matched, with the request's
+    configuration snapshot; the tenant's settings and metric label are resolved here, once.
+    """
+    if request.path in PUBLIC_PATHS:
+        return await handler(request)
+    context = request[CONTEXT]
+    live = context.live
+    try:
+        principal = live.auth.authenticate(request.headers.get("Authorization"))
+    except GatewayError as exc:
+        request.app[METRICS].auth_failures.labels(exc.reason).inc()
+        raise
+    settings = live.settings
+    context.caller = Caller(
+        principal=principal,
+        tenant=settings.tenant(principal.tenant),
+        label=settings.tenant_label(principal.tenant),
+    )
+    return await handler(request)

@@ -1,0 +1,227 @@
+"""The model request path: one `ModelCall` taken through its stages in order.
+
+``open_call`` (after authentication) -> ``plan_call`` (read and parse the body, validate and
+rewrite it in the call's dialect) -> ``reserve`` (rate limits) -> ``admit`` (the fair admission
+queue, ``: queued`` comments for long-waiting streams) -> ``call_engine`` (the engine boundary,
+`gateway.upstream`) -> ``relay_stream`` / ``relay_json`` (`gateway.relay`) -> ``settle`` (usage,
+tokens, limits) -> finish (the access line, metrics and hooks, `gateway.middleware`).
+
+Every acquired slot (tenant concurrency, engine admission) is released in a ``finally`` on every
+path: success, error, client disconnect, cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from gateway.body import parse_body, read_body
+from gateway.dialects import Dialect, PlanInput
+from gateway.errors import BadRequest, EngineUnavailable, GatewayError
+from gateway.middleware import Handler
+from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
+from gateway.state import (
+    ADMISSION,
+    CLOCK,
+    CONTEXT,
+    ENGINE_STATE,
+    LIMITER,
+    METRICS,
+    UPSTREAM,
+    Caller,
+    ModelCall,
+)
+
+_QUEUED_COMMENT = b": queued\n\n"
+_QUEUED_COMMENT_EVERY_S = 5.0
+
+
+def model_handler(dialect: Dialect) -> Handler:
+    """The route handler of ``dialect``: streaming or not, as the client asks."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await handle_model_request(request, dialect)
+
+    handler.__doc__ = f"``POST {dialect.engine_path}``-shaped model request ({dialect.name})."
+    return handler
+
+
+def open_call(request: web.Request, dialect: Dialect) -> ModelCall:
+    """Make the request's `ModelCall` (once, after authentication) and attach it to its context."""
+    context = request[CONTEXT]
+    caller = context.caller
+    assert isinstance(caller, Caller), "authentication runs before the model path"
+    call = ModelCall(context=context, caller=caller, dialect=dialect)
+    context.call = call
+    return call
+
+
+async def plan_call(request: web.Request, call: ModelCall) -> None:
+    """Read and parse the body, then let the dialect validate and rewrite it (``call.plan``).
+
+    Raises:
+        PayloadTooLarge, RequestTimeout, BadRequest: the body could not be read or parsed.
+        ClientError: the dialect refused the body (bad field, unknown model, policy).
+    """
+    live = call.live
+    server = live.settings.server
+    raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+    given = PlanInput(
+        body=parse_body(raw),
+        settings=live.settings,
+        tenant=call.caller.tenant,
+        request_id=call.context.request_id,
+        salt_secret=live.salt_secret,
+    )
+    try:
+        call.plan = call.dialect.plan(given)
+    except RecursionError:
+        raise BadRequest("The JSON body is nested too deeply.") from None
+
+
+async def handle_model_request(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    """One model request from its body to its settled usage (the stages in the module doc)."""
+    app = request.app
+    call = open_call(request, dialect)
+    await plan_call(request, call)
+    plan = call.plan
+    assert plan is not None
+    state = app[ENGINE_STATE]
+    if not state.ready:
+        raise state.unavailable()
+
+    limiter = app[LIMITER]
+    reservation = await limiter.reserve(call.caller.tenant, plan.reserve_tokens)
+    call.reservation = reservation
+    metrics = app[METRICS]
+    label = call.caller.label
+    metrics.in_flight.labels(label).inc()
+    try:
+        tenant = call.caller.tenant
+        ticket = app[ADMISSION].enqueue(
+            tenant.name, tenant.weight, plan.reserve_tokens, label=label
+        )
+        call.ticket = ticket
+        try:
+            return await admit_and_call(request, call)
+        finally:
+            ticket.release()
+    except GatewayError as exc:
+        for name, value in reservation.headers.items():
+            exc.headers.setdefault(name, value)
+        raise
+    finally:
+        metrics.in_flight.labels(label).dec()
+        await settle(request, call)
+
+
+async def settle(request: web.Request, call: ModelCall) -> None:
+    """Make the usage final, count the tokens of a call that reached the engine, settle limits."""
+    assert call.plan is not None and call.reservation is not None
+    usage = call.usage
+    prompt, completion = usage.settle(call.plan.prompt_estimate)
+    if usage.reached_engine:
+        metrics = request.app[METRICS]
+        metrics.tokens.labels(call.caller.label, "prompt").inc(prompt)
+        metrics.tokens.labels(call.caller.label, "completion").inc(completion)
+    await request.app[LIMITER].settle(call.reservation, prompt + completion)
+
+
+async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
+    """Wait for an engine slot (with ``: queued`` comments for long-waiting streams), then call.
+
+    A request that waited in the queue keeps waiting for an engine that went down for the rest
+    of its queue time (``engine.queue_timeout_s``); a fresh one gets 503 at once.
+    """
+    assert call.plan is not None and call.ticket is not None
+    app = request.app
+    engine = call.settings.engine
+    ticket = call.ticket
+    stream = ClientStream(request, call) if call.plan.stream else None
+    try:
+        comment_after = engine.queued_comment_after_s
+        if stream is not None and comment_after > 0:
+            granted = await ticket.wait(comment_after)
+            while not granted:
+                await stream.send(_QUEUED_COMMENT)
+                granted = await ticket.wait(_QUEUED_COMMENT_EVERY_S)
+        else:
+            await ticket.wait(None)
+        call.queued_s = ticket.waited_s
+        state = app[ENGINE_STATE]
+        if not state.ready:
+            remaining = max(0.0, engine.queue_timeout_s - ticket.waited_s)
+            if not await state.wait_ready(remaining):
+                raise state.unavailable()
+    except GatewayError as exc:
+        if stream is None or stream.response is None:
+            raise
+        return await stream.end_with_error(exc)
+    except ConnectionResetError as exc:
+        if stream is None:
+            client_gone(request, call, isinstance(exc, ClientStalled))
+            return web.Response(status=499)
+        return stream.gone(isinstance(exc, ClientStalled))
+    queued_budget = 0.0
+    if ticket.waited_s > 0:
+        queued_budget = max(0.0, engine.queue_timeout_s - ticket.waited_s)
+    return await call_engine(request, call, stream, queued_budget)
+
+
+async def call_engine(
+    request: web.Request, call: ModelCall, stream: ClientStream | None, queued_budget: float
+) -> web.StreamResponse:
+    """POST to the engine and relay its answer; the engine answer is ended on every exit.
+
+    An engine that refuses the connection is marked down at once. A request that had already
+    waited in the queue keeps waiting for the engine's return for ``queued_budget`` seconds;
+    a fresh one gets 503 at once.
+    """
+    assert call.plan is not None
+    app = request.app
+    upstream = app[UPSTREAM]
+    state = app[ENGINE_STATE]
+    clock = app[CLOCK]
+    deadline = clock() + queued_budget
+    while True:
+        try:
+            answer = await upstream.post(
+                call.dialect.engine_path, call.plan.body, call.context.request_id
+            )
+            break
+        except EngineUnavailable as exc:
+            state.set("down", "connection refused")
+            remaining = deadline - clock()
+            if remaining > 0 and await state.wait_ready(remaining):
+                continue
+            if stream is None or stream.response is None:
+                raise
+            return await stream.end_with_error(exc)
+        except GatewayError as exc:
+            if stream is None or stream.response is None:
+                raise
+            return await stream.end_with_error(exc)
+    call.usage.reached_engine = True
+    complete = False
+    try:
+        if answer.status != 200:
+            error = await answer.error()
+            complete = True
+            if stream is None or stream.response is None:
+                raise error
+            return await stream.end_with_error(error)
+        if stream is not None:
+            result = await relay_stream(request, call, answer, stream)
+        else:
+            result = await relay_json(call, answer)
+        complete = True
+        return result
+    except asyncio.CancelledError:
+        client_gone(request, call)
+        raise
+    finally:
+        if complete:
+            answer.release()
+        else:
+            answer.abort()  # closing the socket is how the engine learns to abort (C10)

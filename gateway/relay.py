@@ -1,0 +1,201 @@
+"""The client side of a model answer: the SSE response and the stream and JSON relays.
+
+`ClientStream` is the SSE response to the client (headers sent when first needed, writes that
+give up on a client that stopped reading, one final error event after the headers went out).
+`relay_stream` forwards the engine's events as they arrive, one client write per engine read
+(case C01); `relay_json` rewrites a whole answer. Both record usage on the `ModelCall`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from gateway.errors import (
+    EngineBadResponse,
+    EngineDisconnected,
+    GatewayError,
+    UpstreamError,
+)
+from gateway.sse import StreamProtocolError
+from gateway.state import CLOCK, METRICS, ModelCall
+from gateway.upstream import UpstreamAnswer
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+class ClientStalled(ConnectionResetError):
+    """The client left a stream unread longer than ``server.client_write_timeout_s``."""
+
+
+class ClientStream:
+    """The SSE response of one model call; the headers go out at `start` (or the first write).
+
+    Args:
+        request: the client's request.
+        call: the model call (its snapshot gives the write timeout, its dialect the error shape).
+    """
+
+    __slots__ = ("_call", "_request", "_timeout", "response")
+
+    def __init__(self, request: web.Request, call: ModelCall) -> None:
+        self._request = request
+        self._call = call
+        self._timeout = call.settings.server.client_write_timeout_s
+        self.response: web.StreamResponse | None = None
+
+    async def start(self) -> web.StreamResponse:
+        """Send the SSE headers once: no proxy buffering, no compression (case C01)."""
+        if self.response is None:
+            headers = dict(SSE_HEADERS)
+            if self._call.reservation is not None:
+                headers.update(self._call.reservation.headers)
+            response = web.StreamResponse(status=200, headers=headers)
+            response.headers["x-request-id"] = self._call.context.request_id
+            await response.prepare(self._request)
+            self.response = response
+        return self.response
+
+    async def send(self, data: bytes) -> None:
+        """Write to the stream; a client that stops reading counts as gone after the timeout.
+
+        The timer is armed only when data already waits in the socket's user-space buffer (the
+        client is behind), so a client that keeps up costs one plain write.
+
+        Raises:
+            ConnectionResetError: the client went away (`ClientStalled` when it stopped reading).
+        """
+        response = self.response or await self.start()
+        transport = self._request.transport
+        if transport is None or not transport.get_write_buffer_size():
+            await response.write(data)
+            return
+        try:
+            await asyncio.wait_for(response.write(data), self._timeout)
+        except asyncio.TimeoutError:
+            transport.abort()
+            raise ClientStalled(f"client did not read for {self._timeout:g} s") from None
+
+    async def end(self, tail: bytes) -> web.StreamResponse:
+        """The last bytes and the chunked terminator in one write; status 200 for the log."""
+        response = self.response or await self.start()
+        await response.write_eof(tail)
+        self._call.context.status = 200
+        return response
+
+    async def end_with_error(self, error: GatewayError) -> web.StreamResponse:
+        """After the headers went out an error is one final error event, then the end."""
+        context = self._call.context
+        context.status = error.status
+        context.reason = context.reason or error.reason
+        response = self.response or await self.start()
+        try:
+            await response.write(self._call.dialect.error_event(error))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+        return response
+
+    def gone(self, stalled: bool = False) -> web.StreamResponse:
+        """The client went away: see `client_gone`; returns the response to end the handler."""
+        client_gone(self._request, self._call, stalled)
+        return self.response if self.response is not None else web.Response(status=499)
+
+
+def client_gone(request: web.Request, call: ModelCall, stalled: bool = False) -> None:
+    """The client went away: logged 499 (nginx's "client closed request") and counted."""
+    context = call.context
+    context.status = 499
+    context.reason = "client_stalled" if stalled else "client_disconnect"
+    request.app[METRICS].client_disconnects.labels(call.caller.label).inc()
+
+
+async def relay_stream(
+    request: web.Request, call: ModelCall, answer: UpstreamAnswer, stream: ClientStream
+) -> web.StreamResponse:
+    """Forward the engine's SSE as it arrives: one client write per engine read (case C01).
+
+    Whatever ends the stream (the client gone, cancellation, an engine drop), the usage seen
+    so far is recorded on ``call.usage``. An engine failure after the headers is one final
+    error event; a client that went away is a 499.
+    """
+    assert call.plan is not None, "the call is planned before the engine is called"
+    metrics = request.app[METRICS]
+    clock = request.app[CLOCK]
+    context = call.context
+    relay = call.dialect.stream_relay(call.settings, call.plan)
+    state = relay.state
+    failure: GatewayError | None = None
+    try:
+        await stream.start()
+        try:
+            async for data in answer:
+                out = relay.feed(data)
+                if out:
+                    if call.ttft_s is None and state.events:
+                        call.ttft_s = clock() - context.started
+                        metrics.ttft.labels(call.caller.label).observe(call.ttft_s)
+                    await stream.send(out)
+        except UpstreamError as exc:
+            failure = exc
+        except StreamProtocolError as exc:
+            failure = answer.failed(EngineBadResponse(), exc)
+        tail = relay.finish() if failure is None else b""
+        if failure is None and not relay.clean_end:
+            failure = answer.failed(EngineDisconnected())
+        if state.error is not None:
+            answer.reported_error()
+            context.reason = "stream_error"
+        if failure is not None:
+            return await stream.end_with_error(failure)
+        return await stream.end(tail)
+    except ConnectionResetError as exc:
+        return stream.gone(isinstance(exc, ClientStalled))
+    finally:
+        usage = call.usage
+        usage.streamed_events = state.content_events
+        if state.usage is not None:
+            usage.prompt_tokens = state.usage.prompt_tokens
+            usage.completion_tokens = state.usage.completion_tokens
+            usage.reasoning_tokens = state.usage.reasoning_tokens
+
+
+async def relay_json(call: ModelCall, answer: UpstreamAnswer) -> web.Response:
+    """Read the whole engine answer, rewrite it in the call's dialect, count its usage.
+
+    Raises:
+        UpstreamError: the engine failed while answering, or the answer is not a JSON object.
+    """
+    raw = await answer.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise answer.failed(EngineBadResponse(), exc) from exc
+    if not isinstance(body, dict):
+        raise answer.failed(EngineBadResponse())
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        call.usage.prompt_tokens = _count(usage.get("prompt_tokens"))
+        call.usage.completion_tokens = _count(usage.get("completion_tokens"))
+        details = usage.get("completion_tokens_details")
+        if isinstance(details, dict):
+            call.usage.reasoning_tokens = _count(details.get("reasoning_tokens"))
+    answer_body = call.dialect.json_answer(body, call.settings)
+    return web.Response(
+        body=json.dumps(answer_body, ensure_ascii=False, separators=(",", ":")).encode(),
+        content_type="application/json",
+        headers=call.reservation.headers if call.reservation is not None else None,
+    )
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None

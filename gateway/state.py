@@ -1,0 +1,220 @@
+"""Shared state: typed app and request keys, the live configuration, and the per-request objects.
+
+Declared in one place so every module reads the same names. Per request there are two objects:
+`RequestContext` (every HTTP request: id, route, the configuration snapshot, caller, status; the
+access log's facts), and `ModelCall` (a model request, made once after authentication: caller,
+snapshot, dialect, plan, reservation, admission ticket, usage, timings), reachable from the
+context as ``context.call``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from gateway.admission import AdmissionQueue, Ticket
+from gateway.auth import Authenticator, Principal
+from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
+from gateway.credentials import KeySet
+from gateway.dialects import CHAT, Dialect
+from gateway.metrics import Metrics
+from gateway.ratelimit import RateLimiter, Reservation
+from gateway.reload import Reloader
+from gateway.rewrite import RequestPlan
+from gateway.upstream import EngineState, Upstream
+
+
+@dataclass(frozen=True)
+class Live:
+    """What a reload swaps as a whole: settings, keys and the authenticator built from them.
+
+    Each request takes the current one once, at its start (`RequestContext.live`), so a reload
+    never changes the rules, the alias or the limits under a request in flight.
+    """
+
+    settings: Settings
+    keys: KeySet
+    auth: Authenticator
+    salt_secret: bytes
+
+
+class LiveRef:
+    """The mutable cell holding the current `Live`; a reload replaces ``current`` in one step."""
+
+    def __init__(self, live: Live) -> None:
+        self.current = live
+
+
+# Without QWEN38_CACHE_SALT_SECRET the salt is random per process: tenants stay isolated, at the
+# price of prefix-cache misses after a restart and across replicas.
+_PROCESS_SALT = secrets.token_bytes(32)
+
+
+def build_live(settings: Settings, keys: KeySet, clock: Callable[[], float] = time.time) -> Live:
+    """Compile settings and keys into a `Live` (authenticator tables, cache-salt secret)."""
+    secret = keys.setting("QWEN38_CACHE_SALT_SECRET")
+    salt = secret.encode() if secret else _PROCESS_SALT
+    auth = Authenticator(
+        keys,
+        leeway_s=settings.auth.jwt_leeway_s,
+        max_ttl_s=settings.auth.jwt_max_ttl_s,
+        clock=clock,
+    )
+    return Live(settings=settings, keys=keys, auth=auth, salt_secret=salt)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made a request, resolved once after authentication.
+
+    Attributes:
+        principal: the authenticated credential (tenant name, key id or ``jwt:<kid>``).
+        tenant: the tenant's settings in the request's snapshot.
+        label: the tenant's metric label (`Settings.tenant_label`: bounded by the config).
+    """
+
+    principal: Principal
+    tenant: TenantSettings
+    label: str
+
+
+@dataclass
+class Usage:
+    """The tokens of one model request: the one place they are counted.
+
+    Filled by the relay from the engine's ``usage`` object (OpenAI API reference, "The chat
+    completion object"), then completed by `settle` when the request ends.
+
+    Attributes:
+        reached_engine: the engine accepted the request (it may have generated tokens).
+        prompt_tokens: the engine's count; after `settle`, the estimate when it sent none.
+        completion_tokens: the engine's count; after `settle`, the content events streamed
+            when it sent none (one token a delta on this engine).
+        reasoning_tokens: ``completion_tokens_details.reasoning_tokens`` when the engine
+            reports it (a part of ``completion_tokens``), else None.
+        streamed_events: content events relayed to the client.
+        settled: `settle` ran; the counts are final.
+    """
+
+    reached_engine: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    streamed_events: int = 0
+    settled: bool = False
+
+    def settle(self, prompt_estimate: int) -> tuple[int, int]:
+        """Make the counts final; returns (prompt, completion) tokens to charge.
+
+        A request that never reached the engine costs nothing; one cut short without usage is
+        charged its prompt estimate plus one token per streamed content event, so a disconnect
+        pays for what was generated.
+        """
+        if not self.reached_engine:
+            self.prompt_tokens, self.completion_tokens = 0, 0
+        else:
+            if self.prompt_tokens is None:
+                self.prompt_tokens = prompt_estimate
+            if self.completion_tokens is None:
+                self.completion_tokens = self.streamed_events
+        self.settled = True
+        return self.prompt_tokens, self.completion_tokens
+
+
+@dataclass(eq=False)
+class RequestContext:
+    """One HTTP request's facts for the access log and request metrics (every route).
+
+    Made by the outermost middleware; ``caller`` is set by authentication, ``call`` by the model
+    path. Hooks registered under `FINISH_HOOKS` receive it once the request is over.
+
+    Attributes:
+        request_id: the client's ``X-Request-Id`` when sane, else a fresh UUID (hex).
+        started: clock reading at arrival (seconds, the app's monotonic clock).
+        route: the route template (bounded, `gateway.metrics.ROUTES`).
+        live: the configuration snapshot this request runs under.
+        dialect: the client API of the route (error shape; OpenAI's for plain routes).
+        caller: the authenticated caller, or None.
+        call: the model request, or None.
+        status: the HTTP status sent (499: the client went away), 0 until known.
+        reason: a bounded label explaining an error status, or None.
+        duration_s: seconds from arrival to the end, set when the request is over.
+    """
+
+    request_id: str
+    started: float
+    route: str
+    live: Live
+    dialect: Dialect = CHAT
+    caller: Caller | None = None
+    call: ModelCall | None = None
+    status: int = 0
+    reason: str | None = None
+    duration_s: float | None = None
+
+    @property
+    def tenant_label(self) -> str:
+        """The caller's metric label, ``unknown`` before authentication."""
+        return self.caller.label if self.caller is not None else UNKNOWN_TENANT
+
+
+@dataclass(eq=False)
+class ModelCall:
+    """One model request on its way through the path (mitmproxy's ``HTTPFlow``, in spirit).
+
+    Made once after authentication; each stage of `gateway.proxy` fills its part: plan (rewrite),
+    reservation (rate limits), ticket (admission queue), usage (relay, then settle), timings.
+
+    Attributes:
+        context: the HTTP request's `RequestContext` (id, snapshot, caller, status).
+        caller: the authenticated caller (the same as ``context.caller``).
+        dialect: the client API this request speaks.
+        plan: the engine request and its facts, once the body was planned.
+        reservation: the rate-limit reservation, once taken.
+        ticket: the admission ticket, once queued.
+        usage: the token counts.
+        queued_s: seconds waited in the admission queue, once granted.
+        ttft_s: seconds from arrival to the first event relayed, for streams.
+    """
+
+    context: RequestContext
+    caller: Caller
+    dialect: Dialect
+    plan: RequestPlan | None = None
+    reservation: Reservation | None = None
+    ticket: Ticket | None = None
+    usage: Usage = field(default_factory=Usage)
+    queued_s: float | None = None
+    ttft_s: float | None = None
+
+    @property
+    def live(self) -> Live:
+        """The configuration snapshot of this request."""
+        return self.context.live
+
+    @property
+    def settings(self) -> Settings:
+        """The settings of this request's snapshot."""
+        return self.context.live.settings
+
+
+FinishHook = Callable[[RequestContext], None]
+
+LIVE = web.AppKey("live", LiveRef)
+METRICS = web.AppKey("metrics", Metrics)
+UPSTREAM = web.AppKey("upstream", Upstream)
+ENGINE_STATE = web.AppKey("engine_state", EngineState)
+LIMITER = web.AppKey("limiter", RateLimiter)
+ADMISSION = web.AppKey("admission", AdmissionQueue)
+RELOADER = web.AppKey("reloader", Reloader)
+CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")
+STARTED = web.AppKey("started", float)
+# Route template -> the client API it speaks (error shape); routes not listed speak OpenAI's.
+DIALECTS: web.AppKey[dict[str, Dialect]] = web.AppKey("dialects")
+# Called with the finished `RequestContext` after the access line (a usage ledger, say).
+FINISH_HOOKS: web.AppKey[list[FinishHook]] = web.AppKey("finish_hooks")
+CONTEXT = web.RequestKey("context", RequestContext)
