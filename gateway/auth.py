@@ -6,6 +6,7 @@ import binascii
 import hmac
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ from gateway.config import TENANT_NAME_RE
 from gateway.credentials import SECRET_RE, ApiKey, KeySet, SigningKey, b64url_decode, secret_digest
 from gateway.errors import InvalidApiKey
 
+# A JWT ``sub`` as recorded in logs and the usage ledger: at most this many characters, and
+# characters outside SUBJECT_CHARS replaced by "_" (never a metric label).
+MAX_SUBJECT_CHARS = 128
+_SUBJECT_RE = re.compile(r"[^A-Za-z0-9._@:+-]")
 # Longer credentials are refused before hashing or base64-decoding anything: a generated key is
 # 39 characters and a gateway JWT a few hundred.
 MAX_CREDENTIAL_CHARS = 8192
@@ -31,11 +36,24 @@ class Principal:
         tenant: the tenant named by the key line or the JWT ``sub``.
         key_id: the key id, or ``jwt:<kid>``; safe to log (never a secret).
         method: ``key`` or ``jwt``.
+        subject: the JWT's ``sub`` as `bounded_subject` leaves it, or None for an API key. Logged
+            and recorded in the usage ledger so that several subjects sharing one tenant table
+            stay apart; never a metric label.
     """
 
     tenant: str
     key_id: str
     method: Literal["key", "jwt"]
+    subject: str | None = None
+
+
+def bounded_subject(value: str) -> str:
+    """A JWT subject safe to log: at most `MAX_SUBJECT_CHARS`, plain characters only.
+
+    Characters other than letters, digits and ``._@:+-`` become ``_`` (no control characters or
+    quotes reach a log line or a report).
+    """
+    return _SUBJECT_RE.sub("_", value[:MAX_SUBJECT_CHARS])
 
 
 class Authenticator:
@@ -133,7 +151,8 @@ class Authenticator:
             raise InvalidApiKey("malformed") from None
         except jwt.InvalidTokenError:
             raise InvalidApiKey("bad_claims") from None
-        return Principal(self._check_claims(claims), f"jwt:{key.kid}", "jwt")
+        tenant = self._check_claims(claims)
+        return Principal(tenant, f"jwt:{key.kid}", "jwt", bounded_subject(tenant))
 
     def _check_claims(self, claims: dict[str, Any]) -> str:
         """Check time claims on the injected clock (pyjwt's is not injectable); return ``sub``."""

@@ -1,4 +1,4 @@
-"""The ``qwen38-gateway`` command: serve, demo, check, and the keys and token subcommands."""
+"""The ``qwen38-gateway`` command: serve, demo, check, keys and token, and usage reports."""
 
 from __future__ import annotations
 
@@ -88,6 +88,7 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     from gateway.keys_cli import add_subcommands
+    from gateway.usage_report import add_subcommands as add_usage_subcommands
 
     parser = argparse.ArgumentParser(
         prog="qwen38-gateway",
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_check)
 
     add_subcommands(sub)
+    add_usage_subcommands(sub)
     return parser
 
 

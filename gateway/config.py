@@ -191,6 +191,28 @@ class RatelimitSettings:
 
 
 @dataclass(frozen=True)
+class LedgerSettings:
+    """``[ledger]``: the usage ledger, one SQLite record per finished model request.
+
+    ``path`` is the database file (its directory is created if missing); one file per replica, or
+    one file shared by the replicas of one host (SQLite's WAL mode takes several writers on one
+    machine, never over a network file system). ``flush_interval_s`` is the longest a finished
+    request waits in memory before it is committed and fsynced: a ``kill -9`` or a crash loses at
+    most the records of that last interval. ``retention_days`` of records are kept (0: forever);
+    older ones are deleted every ``prune_interval_s``. ``max_pending`` bounds the records held in
+    memory while the file cannot be written (full disk, read-only path); beyond it the oldest are
+    dropped and counted.
+    """
+
+    enabled: bool = True
+    path: str = "/var/lib/qwen38/usage.sqlite3"
+    flush_interval_s: float = 0.5
+    retention_days: int = 400
+    prune_interval_s: float = 3600.0
+    max_pending: int = 100_000
+
+
+@dataclass(frozen=True)
 class LoggingSettings:
     """``[logging]``: level of the JSON log on stdout."""
 
@@ -211,6 +233,8 @@ class TenantSettings:
             the Qwen3.8-27B card's recommended output length for most queries.
         thinking_default: this tenant's default thinking mode, or None for ``[thinking] default``.
         thinking_allowed: False forces thinking off; an explicit request for it gets 403.
+        tokens_per_day: prompt plus completion tokens per UTC day, or None for no daily quota.
+        tokens_per_month: prompt plus completion tokens per UTC calendar month, or None.
     """
 
     name: str = DEFAULT_TENANT
@@ -221,6 +245,8 @@ class TenantSettings:
     max_tokens: int = 32_768
     thinking_default: bool | None = None
     thinking_allowed: bool = True
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +261,7 @@ class Settings:
     responses: ResponsesSettings = field(default_factory=ResponsesSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     ratelimit: RatelimitSettings = field(default_factory=RatelimitSettings)
+    ledger: LedgerSettings = field(default_factory=LedgerSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     tenants: Mapping[str, TenantSettings] = field(
         default_factory=lambda: MappingProxyType({DEFAULT_TENANT: TenantSettings()})
@@ -271,6 +298,7 @@ _SECTIONS: dict[str, type] = {
     "responses": ResponsesSettings,
     "auth": AuthSettings,
     "ratelimit": RatelimitSettings,
+    "ledger": LedgerSettings,
     "logging": LoggingSettings,
 }
 
@@ -303,11 +331,17 @@ _RANGES: dict[str, tuple[float, float]] = {
     "auth.jwt_max_ttl_s": (1, 31_536_000),
     "auth.reload_poll_s": (0.05, 60),
     "ratelimit.redis_timeout_s": (0.01, 60),
+    "ledger.flush_interval_s": (0.01, 1.0),
+    "ledger.retention_days": (0, 36_500),
+    "ledger.prune_interval_s": (1, 86_400),
+    "ledger.max_pending": (1000, 10_000_000),
     "tenant.rpm": (0, 10**9),
     "tenant.tpm": (0, 10**12),
     "tenant.concurrency": (0, 100_000),
     "tenant.weight": (0.001, 1_000_000),
     "tenant.max_tokens": (1, 1 << 24),
+    "tenant.tokens_per_day": (0, 10**15),
+    "tenant.tokens_per_month": (0, 10**15),
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -410,6 +444,8 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
             f"metrics.port = {metrics.port}: must differ from server.port (the metrics listener "
             "is never on the public port)"
         )
+    if settings.ledger.enabled and not settings.ledger.path:
+        raise ConfigError("ledger.path must not be empty while ledger.enabled = true")
     if settings.engine.model == "" or settings.model.alias == "":
         raise ConfigError("engine.model and model.alias must not be empty")
     for name, section in (("server", settings.server), ("metrics", settings.metrics)):

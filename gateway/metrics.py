@@ -47,7 +47,7 @@ UPSTREAM_ERROR_KINDS = (
     "bad_response",
     "status_5xx",
 )
-RATE_LIMITS = ("requests", "tokens", "concurrency", "queue")
+RATE_LIMITS = ("requests", "tokens", "concurrency", "queue", "tokens_per_day", "tokens_per_month")
 # vLLM's usage has no reasoning count (OpenAI-compatible ``usage``): completion includes it.
 TOKEN_TYPES = ("prompt", "completion")
 RELOAD_RESULTS = ("ok", "error")
@@ -165,6 +165,44 @@ class Metrics:
             ("backend",),
             registry=registry,
         )
+
+        self.ledger_records = Counter(
+            "gateway_ledger_records",
+            "Usage records committed to the usage ledger.",
+            registry=registry,
+        )
+        self.ledger_write_errors = Counter(
+            "gateway_ledger_write_errors",
+            "Failed attempts to open or write the usage ledger (full disk, read-only path).",
+            registry=registry,
+        )
+        self.ledger_dropped = Counter(
+            "gateway_ledger_dropped_records",
+            "Usage records dropped because the ledger could not be written for too long.",
+            registry=registry,
+        )
+        self.ledger_pending = Gauge(
+            "gateway_ledger_pending_records",
+            "Usage records waiting in memory for their commit.",
+            registry=registry,
+        )
+
+    # The usage ledger's writer thread reports through these (gateway.ledger.LedgerMetrics).
+    def ledger_written(self, count: int) -> None:
+        """``count`` records were committed."""
+        self.ledger_records.inc(count)
+
+    def ledger_write_error(self) -> None:
+        """Opening or writing the ledger failed once."""
+        self.ledger_write_errors.inc()
+
+    def ledger_dropped_records(self, count: int) -> None:
+        """``count`` records were dropped (``max_pending`` exceeded)."""
+        self.ledger_dropped.inc(count)
+
+    def ledger_pending_records(self, count: int) -> None:
+        """``count`` records wait in memory."""
+        self.ledger_pending.set(count)
 
     def prime(self, tenant_labels: tuple[str, ...]) -> None:
         """Create the zero-valued children Prometheus alerts and dashboards expect to exist."""

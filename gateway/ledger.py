@@ -1,0 +1,370 @@
+"""The usage ledger: one SQLite record per finished model request, written off the request path.
+
+The request path calls `Ledger.record`, which appends to an in-memory queue and returns; a writer
+thread commits the queue every ``flush_interval_s`` in one transaction, fsynced (SQLite WAL mode
+with ``synchronous = FULL``, see sqlite.org "Write-Ahead Logging" and "PRAGMA synchronous"). A
+``kill -9`` or a crash therefore loses at most the records that finished during the last
+``flush_interval_s`` plus the time of one commit. A file that cannot be written (full disk,
+read-only path, missing permissions) is logged once per outage, counted in
+``gateway_ledger_write_errors_total`` and retried; the records wait in memory up to
+``max_pending`` (oldest dropped beyond it, counted in ``gateway_ledger_dropped_records_total``).
+A request never fails because of the ledger.
+
+Readers (`open_readonly`) open the file read-only through a ``file:`` URI, so reports run against
+a live ledger without blocking its writer (WAL readers never block the writer).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, fields
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+SCHEMA_VERSION = 1
+_BUSY_TIMEOUT_MS = 5000
+_PRUNE_BATCH = 10_000
+_RETRY_MAX_S = 5.0
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage (
+    ts REAL NOT NULL,
+    day TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    subject TEXT,
+    endpoint TEXT NOT NULL,
+    status INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    reasoning_tokens INTEGER,
+    queue_s REAL,
+    ttft_s REAL,
+    duration_s REAL NOT NULL,
+    request_id TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
+CREATE INDEX IF NOT EXISTS usage_tenant_day ON usage (tenant, day);
+"""
+
+
+def utc_day(ts: float) -> str:
+    """The UTC calendar date of ``ts`` (seconds since the Unix epoch) as ``YYYY-MM-DD``."""
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One finished model request, as stored (the table's columns, in order).
+
+    Attributes:
+        ts: when the request finished, seconds since the Unix epoch (UTC).
+        day: ``utc_day(ts)``, stored for grouping.
+        tenant: the tenant name (not the metric label: an unconfigured tenant keeps its name).
+        key_id: the API key id, or ``jwt:<kid>`` for a JWT.
+        subject: the JWT ``sub`` (bounded, see ``gateway.auth.bounded_subject``), else None.
+        endpoint: the route, e.g. ``/v1/chat/completions``.
+        status: the HTTP status answered (499: the client went away; a stream cut by the engine
+            keeps its 200 status line but is recorded with the error's status).
+        prompt_tokens: as the engine reported them, else the gateway's estimate of the prompt.
+        completion_tokens: as the engine reported them, else the tokens streamed before the cut.
+        reasoning_tokens: the part of ``completion_tokens`` spent thinking, when known, else None.
+        queue_s: seconds waited for an engine slot, None if never queued.
+        ttft_s: seconds from request received to the first token sent, None if none was sent.
+        duration_s: seconds from request received to the end.
+        request_id: the ``x-request-id`` answered to the client.
+    """
+
+    ts: float
+    day: str
+    tenant: str
+    key_id: str
+    subject: str | None
+    endpoint: str
+    status: int
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int | None
+    queue_s: float | None
+    ttft_s: float | None
+    duration_s: float
+    request_id: str
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion tokens: what quotas and ``tpm`` charge."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+COLUMNS = tuple(f.name for f in fields(UsageRecord))
+_INSERT = f"INSERT INTO usage ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+
+
+class LedgerMetrics(Protocol):
+    """The metrics the writer updates (`gateway.metrics.Metrics` provides them)."""
+
+    def ledger_written(self, count: int) -> None:
+        """``count`` records were committed."""
+
+    def ledger_write_error(self) -> None:
+        """A commit (or opening the file) failed."""
+
+    def ledger_dropped_records(self, count: int) -> None:
+        """``count`` records were dropped because ``max_pending`` was exceeded."""
+
+    def ledger_pending_records(self, count: int) -> None:
+        """``count`` records wait in memory."""
+
+
+def connect(path: str | os.PathLike[str]) -> sqlite3.Connection:
+    """Open (creating if needed) the ledger for writing: WAL mode, fsync on each commit.
+
+    Raises:
+        sqlite3.Error, OSError: the directory or file cannot be created or written.
+    """
+    target = Path(path)
+    target.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    conn = sqlite3.connect(target, timeout=_BUSY_TIMEOUT_MS / 1000, check_same_thread=False)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.executescript(SCHEMA)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.commit()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
+    """Open an existing ledger read-only (``mode=ro``), safe against a live writer.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        sqlite3.Error: the file is not a ledger (no ``usage`` table) or cannot be read.
+    """
+    target = Path(path).resolve()
+    if not target.is_file():
+        raise FileNotFoundError(f"{path}: no such ledger")
+    conn = sqlite3.connect(f"{target.as_uri()}?mode=ro", uri=True, timeout=_BUSY_TIMEOUT_MS / 1000)
+    try:
+        conn.execute("SELECT 1 FROM usage LIMIT 1").fetchall()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def tokens_by_tenant(
+    conn: sqlite3.Connection, since_ts: float, until_ts: float | None = None
+) -> dict[str, int]:
+    """Prompt plus completion tokens per tenant of the records with ``since_ts <= ts < until_ts``."""
+    sql = "SELECT tenant, SUM(prompt_tokens + completion_tokens) FROM usage WHERE ts >= ?"
+    args: list[float] = [since_ts]
+    if until_ts is not None:
+        sql += " AND ts < ?"
+        args.append(until_ts)
+    rows = conn.execute(sql + " GROUP BY tenant", args).fetchall()
+    return {str(tenant): int(total or 0) for tenant, total in rows}
+
+
+class Ledger:
+    """The writer of one ledger file; `start` it once, `record` from any thread, `close` at exit.
+
+    Args:
+        path: the SQLite file.
+        metrics: where write counts and errors go.
+        flush_interval_s: longest time a record waits in memory before its commit (seconds).
+        retention_days: records older than this are deleted (0 keeps everything).
+        prune_interval_s: how often old records are deleted (seconds).
+        max_pending: records held in memory while writes fail; beyond it the oldest are dropped.
+        clock: wall-clock seconds since the epoch (retention cut-off).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        metrics: LedgerMetrics,
+        *,
+        flush_interval_s: float = 0.5,
+        retention_days: int = 400,
+        prune_interval_s: float = 3600.0,
+        max_pending: int = 100_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self._metrics = metrics
+        self._flush_s = flush_interval_s
+        self._retention_s = retention_days * 86_400.0
+        self._prune_s = prune_interval_s
+        self._max_pending = max_pending
+        self._clock = clock
+        # deque.append and popleft are atomic: the request path appends, the writer drains.
+        self._queue: collections.deque[UsageRecord] = collections.deque()
+        self._retry: list[UsageRecord] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._failing = False
+        self._next_prune = 0.0
+        self._lock = threading.Lock()  # one flush at a time (writer thread, `flush`, `close`)
+        self.written = 0
+
+    def record(self, rec: UsageRecord) -> None:
+        """Queue one record for the next commit; O(1), never blocks, never raises."""
+        self._queue.append(rec)
+
+    def start(self) -> None:
+        """Open the file (failures are logged and retried by the writer) and start the writer."""
+        if self._thread is not None:
+            return
+        self._open()
+        self._thread = threading.Thread(target=self._run, name="usage-ledger", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the writer after a last commit of everything queued; idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        else:
+            self._flush()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def flush(self) -> None:
+        """Commit everything queued now, in the caller's thread (for tests and tools)."""
+        self._flush()
+
+    def totals_since(self, since_ts: float) -> dict[str, int]:
+        """Tokens per tenant recorded since ``since_ts``, committed or still queued here.
+
+        Raises:
+            sqlite3.Error: the file cannot be read (the caller decides what that means).
+        """
+        totals: dict[str, int] = {}
+        if self.path.exists():
+            conn = open_readonly(self.path)
+            try:
+                totals = tokens_by_tenant(conn, since_ts)
+            finally:
+                conn.close()
+        for rec in (*self._retry, *list(self._queue)):
+            if rec.ts >= since_ts:
+                totals[rec.tenant] = totals.get(rec.tenant, 0) + rec.total_tokens
+        return totals
+
+    # ----------------------------------------------------------------------- writer thread
+
+    def _run(self) -> None:
+        wait = self._flush_s
+        while not self._stop.wait(wait):
+            ok = self._flush()
+            # While failing, back off (doubling, at most _RETRY_MAX_S) instead of spinning.
+            wait = self._flush_s if ok else min(_RETRY_MAX_S, max(wait * 2, self._flush_s))
+            if ok and self._clock() >= self._next_prune:
+                self._prune()
+        self._flush()
+
+    def _open(self) -> bool:
+        if self._conn is not None:
+            return True
+        try:
+            self._conn = connect(self.path)
+        except (sqlite3.Error, OSError) as exc:
+            self._fail("open", exc)
+            return False
+        return True
+
+    def _flush(self) -> bool:
+        """Commit queued records in one transaction; True when nothing is left to write."""
+        with self._lock:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> bool:
+        batch = self._retry
+        self._retry = []
+        queue = self._queue
+        for _ in range(len(queue)):
+            batch.append(queue.popleft())
+        if not batch:
+            return True
+        if not self._open():
+            self._keep(batch)
+            return False
+        assert self._conn is not None
+        try:
+            with self._conn:
+                self._conn.executemany(_INSERT, (astuple(rec) for rec in batch))
+        except (sqlite3.Error, OSError) as exc:
+            self._fail("write", exc)
+            self._keep(batch)
+            return False
+        self.written += len(batch)
+        self._metrics.ledger_written(len(batch))
+        self._metrics.ledger_pending_records(len(self._queue))
+        if self._failing:
+            self._failing = False
+            log.info("ledger_write_recovered", path=str(self.path), records=len(batch))
+        return True
+
+    def _keep(self, batch: list[UsageRecord]) -> None:
+        """Hold a failed batch for the next try, dropping the oldest beyond ``max_pending``."""
+        excess = len(batch) + len(self._queue) - self._max_pending
+        if excess > 0:
+            del batch[:excess]
+            self._metrics.ledger_dropped_records(excess)
+            log.error("ledger_records_dropped", path=str(self.path), records=excess)
+        self._retry = batch
+        self._metrics.ledger_pending_records(len(batch) + len(self._queue))
+
+    def _fail(self, action: str, exc: BaseException) -> None:
+        self._metrics.ledger_write_error()
+        if self._conn is not None and action == "open":
+            self._conn = None
+        if not self._failing:
+            self._failing = True
+            log.error(
+                "ledger_write_failed",
+                path=str(self.path),
+                action=action,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+
+    def _prune(self) -> None:
+        """Delete records older than the retention, in batches (short write transactions)."""
+        self._next_prune = self._clock() + self._prune_s
+        if self._retention_s <= 0 or self._conn is None:
+            return
+        cutoff = self._clock() - self._retention_s
+        deleted = 0
+        try:
+            while not self._stop.is_set():
+                with self._lock, self._conn:
+                    cur = self._conn.execute(
+                        "DELETE FROM usage WHERE rowid IN "
+                        "(SELECT rowid FROM usage WHERE ts < ? LIMIT ?)",
+                        (cutoff, _PRUNE_BATCH),
+                    )
+                deleted += cur.rowcount
+                if cur.rowcount < _PRUNE_BATCH:
+                    break
+                self._flush()
+        except (sqlite3.Error, OSError) as exc:
+            self._fail("prune", exc)
+            return
+        if deleted:
+            log.info("ledger_pruned", path=str(self.path), records=deleted, before=utc_day(cutoff))
