@@ -9,25 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue
 from gateway.config import Settings
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
-from gateway.handlers import get_model, health, list_models, ready
+from gateway.handlers import get_model, health, list_models, ready, usage
 from gateway.keys_file import load_keys_file
 from gateway.limiter import create_rate_limiter
 from gateway.logs import set_level
 from gateway.metrics import Metrics
 from gateway.middleware import auth_middleware, context_middleware, error_middleware
-from gateway.proxy import model_handler
+from gateway.proxy import model_handler, record_call
 from gateway.reload import Reloader
 from gateway.state import (
+    ACCOUNTING,
     ADMISSION,
     CLOCK,
     DIALECTS,
@@ -100,6 +103,8 @@ def create_app(
         metrics.keys_loaded.set(new_keys.key_count)
         if LIMITER in app:
             app[LIMITER].reconfigure(new_settings)
+        if ACCOUNTING in app:
+            app[ACCOUNTING].reconfigure(new_settings)
         engine = new_settings.engine
         app[ADMISSION].reconfigure(
             engine.max_concurrency, engine.queue_size, engine.queue_timeout_s
@@ -115,6 +120,7 @@ def create_app(
     )
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_limiter_ctx)
+    app.cleanup_ctx.append(_accounting_ctx)
     app.cleanup_ctx.append(_reloader_ctx)
 
     for route, dialect in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETIONS)):
@@ -122,6 +128,7 @@ def create_app(
         app[DIALECTS][route] = dialect
     app.router.add_get("/v1/models", list_models, allow_head=False)
     app.router.add_get("/v1/models/{id}", get_model, allow_head=False)
+    app.router.add_get("/v1/usage", usage, allow_head=False)
     app.router.add_get("/health", health, allow_head=True)
     app.router.add_get("/ready", ready, allow_head=True)
     return app
@@ -161,6 +168,19 @@ async def _limiter_ctx(app: web.Application) -> AsyncIterator[None]:
     await limiter.start()
     yield
     await limiter.close()
+
+
+async def _accounting_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Quotas and the usage ledger: restored and started before the first request, and the
+    ledger's last records committed after the last one."""
+    accounting = Accounting(app[LIVE].current.settings, app[METRICS])
+    app[ACCOUNTING] = accounting
+    await accounting.start()
+    hook = functools.partial(record_call, accounting)
+    app[FINISH_HOOKS].append(hook)
+    yield
+    app[FINISH_HOOKS].remove(hook)
+    await accounting.close()
 
 
 async def _reloader_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -28,6 +28,7 @@ def demo_settings(workdir: Path, host: str, port: int, metrics_port: int) -> Set
             "metrics": {"host": "127.0.0.1", "port": metrics_port},
             "engine": {"socket": str(workdir / "engine.sock"), "health_interval_s": 0.5},
             "auth": {"keys_file": str(workdir / "api-keys.env")},
+            "ledger": {"path": str(workdir / "usage.sqlite3")},
             "tenants": {
                 "default": {"rpm": 600, "tpm": 2_000_000, "concurrency": 8},
                 "demo": {},

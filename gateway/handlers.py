@@ -1,4 +1,4 @@
-"""The plain routes: /health, /ready, /v1/models and /v1/models/{id}."""
+"""The plain routes: /health, /ready, /v1/models, /v1/models/{id} and /v1/usage."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import ModelNotFound
-from gateway.state import ADMISSION, CLOCK, CONTEXT, ENGINE_STATE, LIMITER, STARTED, Caller
+from gateway.state import (
+    ACCOUNTING,
+    ADMISSION,
+    CLOCK,
+    CONTEXT,
+    ENGINE_STATE,
+    LIMITER,
+    STARTED,
+    Caller,
+)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -67,3 +76,21 @@ async def _limit_headers(request: web.Request) -> dict[str, str]:
     caller = request[CONTEXT].caller
     assert isinstance(caller, Caller), "authentication runs before this handler"
     return await request.app[LIMITER].headers(caller.tenant)
+
+
+async def usage(request: web.Request) -> web.Response:
+    """The caller's own usage by UTC day and its quotas (README.md, "Usage and quotas").
+
+    Query: ``since`` and ``until`` (``YYYY-MM-DD``, inclusive; default the 1st of this month to
+    today). A tenant only ever sees its own records.
+
+    Raises:
+        BadRequest: a malformed or reversed date, or a span over 400 days.
+    """
+    caller = request[CONTEXT].caller
+    assert isinstance(caller, Caller), "authentication runs before this handler"
+    query = request.query
+    body = await request.app[ACCOUNTING].document(
+        caller.tenant, query.get("since"), query.get("until")
+    )
+    return web.json_response(body)

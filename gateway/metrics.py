@@ -9,7 +9,11 @@ descriptors) of the gateway process.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Time to first token on a V100 at ~30 tok/s: tens of ms for a cached short prompt, minutes of
 # prefill for a 254,976-token prompt; 50 ms .. 10 min.
@@ -24,6 +28,7 @@ ROUTES = (
     "/v1/completions",
     "/v1/models",
     "/v1/models/{id}",
+    "/v1/usage",
     "/health",
     "/ready",
     "other",
@@ -52,6 +57,41 @@ RATE_LIMITS = ("requests", "tokens", "concurrency", "queue", "tokens_per_day", "
 TOKEN_TYPES = ("prompt", "completion")
 RELOAD_RESULTS = ("ok", "error")
 RATELIMIT_BACKENDS = ("memory", "redis")
+QUOTA_WINDOWS = ("day", "month")
+
+# (tenant label, window, limit tokens, used tokens), computed at scrape time.
+QuotaSample = tuple[str, str, float, float]
+
+
+class QuotaGauges(Collector):
+    """``gateway_quota_limit_tokens`` and ``gateway_quota_used_tokens`` by tenant and window.
+
+    Read at scrape time from ``source`` (set by the quota backend's owner), so a window that
+    rolled over shows its new, empty count without waiting for a request. Labels: configured
+    tenants with a quota (``default`` standing for the tenants without a table) and ``day`` or
+    ``month``.
+    """
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[QuotaSample]] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """The two families (declared even when no tenant has a quota)."""
+        limit = GaugeMetricFamily(
+            "gateway_quota_limit_tokens",
+            "Token quota of a tenant per window (day: the UTC day, month: the UTC month).",
+            labels=("tenant", "window"),
+        )
+        used = GaugeMetricFamily(
+            "gateway_quota_used_tokens",
+            "Tokens charged in the current quota window, running requests' reservations included.",
+            labels=("tenant", "window"),
+        )
+        for tenant, window, quota, spent in self.source() if self.source is not None else ():
+            limit.add_metric((tenant, window), quota)
+            used.add_metric((tenant, window), spent)
+        yield limit
+        yield used
 
 
 class Metrics:
@@ -186,6 +226,8 @@ class Metrics:
             "Usage records waiting in memory for their commit.",
             registry=registry,
         )
+        self.quota = QuotaGauges()
+        registry.register(self.quota)
 
     # The usage ledger's writer thread reports through these (gateway.ledger.LedgerMetrics).
     def ledger_written(self, count: int) -> None:

@@ -107,6 +107,8 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
     }
     if context.caller is not None:
         fields["key_id"] = context.caller.principal.key_id
+        if context.caller.principal.subject is not None:
+            fields["subject"] = context.caller.principal.subject
     call = context.call
     if call is not None and call.plan is not None:
         fields["stream"] = call.plan.stream

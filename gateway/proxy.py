@@ -4,7 +4,10 @@
 rewrite it in the call's dialect) -> ``reserve`` (rate limits) -> ``admit`` (the fair admission
 queue, ``: queued`` comments for long-waiting streams) -> ``call_engine`` (the engine boundary,
 `gateway.upstream`) -> ``relay_stream`` / ``relay_json`` (`gateway.relay`) -> ``settle`` (usage,
-tokens, limits) -> finish (the access line, metrics and hooks, `gateway.middleware`).
+tokens, limits, quotas) -> finish (the access line, metrics and hooks, `gateway.middleware`;
+`record_call` writes the usage ledger's record of every model request there).
+
+Quotas (`gateway.accounting`) are reserved before the per-minute limits and settled with them.
 
 Every acquired slot (tenant concurrency, engine admission) is released in a ``finally`` on every
 path: success, error, client disconnect, cancellation.
@@ -16,12 +19,14 @@ import asyncio
 
 from aiohttp import web
 
+from gateway.accounting import Accounting
 from gateway.body import parse_body, read_body
 from gateway.dialects import Dialect, PlanInput
 from gateway.errors import BadRequest, EngineUnavailable, GatewayError
 from gateway.middleware import Handler
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
 from gateway.state import (
+    ACCOUNTING,
     ADMISSION,
     CLOCK,
     CONTEXT,
@@ -31,6 +36,7 @@ from gateway.state import (
     UPSTREAM,
     Caller,
     ModelCall,
+    RequestContext,
 )
 
 _QUEUED_COMMENT = b": queued\n\n"
@@ -91,8 +97,15 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     if not state.ready:
         raise state.unavailable()
 
+    accounting = app[ACCOUNTING]
+    quota = await accounting.reserve(call.caller.tenant, plan.reserve_tokens)
+    call.quota = quota
     limiter = app[LIMITER]
-    reservation = await limiter.reserve(call.caller.tenant, plan.reserve_tokens)
+    try:
+        reservation = await limiter.reserve(call.caller.tenant, plan.reserve_tokens)
+    except BaseException:
+        await accounting.settle(quota, 0)
+        raise
     call.reservation = reservation
     metrics = app[METRICS]
     label = call.caller.label
@@ -117,7 +130,8 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
 
 
 async def settle(request: web.Request, call: ModelCall) -> None:
-    """Make the usage final, count the tokens of a call that reached the engine, settle limits."""
+    """Make the usage final, count the tokens of a call that reached the engine, settle limits
+    and quotas."""
     assert call.plan is not None and call.reservation is not None
     usage = call.usage
     prompt, completion = usage.settle(call.plan.prompt_estimate)
@@ -126,6 +140,36 @@ async def settle(request: web.Request, call: ModelCall) -> None:
         metrics.tokens.labels(call.caller.label, "prompt").inc(prompt)
         metrics.tokens.labels(call.caller.label, "completion").inc(completion)
     await request.app[LIMITER].settle(call.reservation, prompt + completion)
+    if call.quota is not None:
+        await request.app[ACCOUNTING].settle(call.quota, prompt + completion)
+
+
+def record_call(accounting: Accounting, context: RequestContext) -> None:
+    """Finish hook: the usage ledger's record of a model request (every one, refused included).
+
+    Plain routes (no `ModelCall`) are not recorded. Tokens are the settled usage: the engine's
+    counts, the cut-off count of a stream that ended early, 0 for a request refused before the
+    engine.
+    """
+    call = context.call
+    if call is None:
+        return
+    usage = call.usage
+    principal = call.caller.principal
+    accounting.record(
+        tenant=principal.tenant,
+        key_id=principal.key_id,
+        subject=principal.subject,
+        endpoint=context.route,
+        status=context.status,
+        prompt_tokens=(usage.prompt_tokens or 0) if usage.settled else 0,
+        completion_tokens=(usage.completion_tokens or 0) if usage.settled else 0,
+        reasoning_tokens=usage.reasoning_tokens,
+        queue_s=call.queued_s,
+        ttft_s=call.ttft_s,
+        duration_s=context.duration_s or 0.0,
+        request_id=context.request_id,
+    )
 
 
 async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamResponse:

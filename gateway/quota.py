@@ -12,7 +12,7 @@ code (OpenAI API reference, "Error codes": "429 - You exceeded your current quot
 day of the next month).
 
 This module holds the window arithmetic, the error, the in-process backend and the Prometheus
-collector; ``gateway.quota_redis`` shares the counts between replicas.
+gauge samples; ``gateway.quota_redis`` shares the counts between replicas.
 """
 
 from __future__ import annotations
@@ -21,17 +21,14 @@ import abc
 import datetime as dt
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from gateway.config import Settings, TenantSettings
 from gateway.errors import RateLimited
-from gateway.metrics import Metrics
+from gateway.metrics import QUOTA_WINDOWS, Metrics
 
-WINDOWS = ("day", "month")
+WINDOWS = QUOTA_WINDOWS
 """Quota windows: the UTC calendar day and the UTC calendar month."""
 LIMIT_NAMES = {"day": "tokens_per_day", "month": "tokens_per_month"}
 _UTC = dt.timezone.utc
@@ -345,38 +342,17 @@ class MemoryQuota(Quota):
         return [(label, window, used) for (label, window), used in best.items()]
 
 
-class QuotaCollector(Collector):
-    """``gateway_quota_limit_tokens`` and ``gateway_quota_used_tokens`` by tenant and window.
+def quota_samples(quota: Quota, settings: Settings) -> list[tuple[str, str, float, float]]:
+    """``(tenant, window, limit, used)`` for `gateway.metrics.QuotaGauges`.
 
-    Labels are bounded: configured tenants with a quota (``default`` stands for every tenant
-    without a table of its own; its value is the largest use among them). Used is what this
-    replica knows (with Redis: the shared count as of this replica's last call).
+    One sample per configured tenant table and window with a quota; ``default``'s used value is
+    the largest among the tenants without a table of their own.
     """
-
-    def __init__(self, quota: Quota, settings: Callable[[], Settings]) -> None:
-        self._quota = quota
-        self._settings = settings
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        """One sample per (tenant, window) that has a quota."""
-        settings = self._settings()
-        limit = GaugeMetricFamily(
-            "gateway_quota_limit_tokens",
-            "Token quota of a tenant per window (day: UTC day, month: UTC calendar month).",
-            labels=("tenant", "window"),
-        )
-        used = GaugeMetricFamily(
-            "gateway_quota_used_tokens",
-            "Tokens charged in the current window, running requests' reservations included.",
-            labels=("tenant", "window"),
-        )
-        seen = {(t, w): u for t, w, u in self._quota.gauge_values()}
-        for name, tenant in settings.tenants.items():
-            for window in WINDOWS:
-                quota = limit_of(tenant, window)
-                if quota is None:
-                    continue
-                limit.add_metric((name, window), float(quota))
-                used.add_metric((name, window), float(seen.get((name, window), 0)))
-        yield limit
-        yield used
+    seen = {(t, w): u for t, w, u in quota.gauge_values()}
+    out = []
+    for name, tenant in settings.tenants.items():
+        for window in WINDOWS:
+            limit = limit_of(tenant, window)
+            if limit is not None:
+                out.append((name, window, float(limit), float(seen.get((name, window), 0))))
+    return out

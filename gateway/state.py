@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue, Ticket
 from gateway.auth import Authenticator, Principal
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, Dialect
 from gateway.metrics import Metrics
+from gateway.quota import QuotaReservation
 from gateway.ratelimit import RateLimiter, Reservation
 from gateway.reload import Reloader
 from gateway.rewrite import RequestPlan
@@ -174,6 +176,7 @@ class ModelCall:
         caller: the authenticated caller (the same as ``context.caller``).
         dialect: the client API this request speaks.
         plan: the engine request and its facts, once the body was planned.
+        quota: the daily/monthly quota reservation, once taken.
         reservation: the rate-limit reservation, once taken.
         ticket: the admission ticket, once queued.
         usage: the token counts.
@@ -185,6 +188,7 @@ class ModelCall:
     caller: Caller
     dialect: Dialect
     plan: RequestPlan | None = None
+    quota: QuotaReservation | None = None
     reservation: Reservation | None = None
     ticket: Ticket | None = None
     usage: Usage = field(default_factory=Usage)
@@ -209,12 +213,13 @@ METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM = web.AppKey("upstream", Upstream)
 ENGINE_STATE = web.AppKey("engine_state", EngineState)
 LIMITER = web.AppKey("limiter", RateLimiter)
+ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)
 RELOADER = web.AppKey("reloader", Reloader)
 CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")
 STARTED = web.AppKey("started", float)
 # Route template -> the client API it speaks (error shape); routes not listed speak OpenAI's.
 DIALECTS: web.AppKey[dict[str, Dialect]] = web.AppKey("dialects")
-# Called with the finished `RequestContext` after the access line (a usage ledger, say).
+# Called with the finished `RequestContext` after the access line (the usage ledger's record).
 FINISH_HOOKS: web.AppKey[list[FinishHook]] = web.AppKey("finish_hooks")
 CONTEXT = web.RequestKey("context", RequestContext)

@@ -215,6 +215,7 @@ def start_gateway(
             "health_interval_s": 0.2,
         },
         "auth": {"keys_file": str(keys_file), "reload_poll_s": 0.2},
+        "ledger": {"path": str(workdir / f"{name}-usage.sqlite3"), "flush_interval_s": 0.2},
         "logging": {"level": "debug"},
         "tenants": {
             "default": {"rpm": 10_000, "tpm": 100_000_000, "concurrency": 64},

@@ -112,6 +112,7 @@ def write_config(directory: Path, overrides: dict[str, Any] | None = None) -> Pa
         "model": {"alias": ALIAS},
         "auth": {"keys_file": str(directory / "keys.env"), "reload_poll_s": 60.0},
         "metrics": {"enabled": False},
+        "ledger": {"path": str(directory / "usage.sqlite3")},
         "tenants": {
             "default": {"rpm": 10_000, "tpm": 100_000_000, "concurrency": 64},
             "acme": {},

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
-from gateway.auth import Authenticator, Principal, issue_token
+from gateway.auth import MAX_SUBJECT_CHARS, Authenticator, Principal, bounded_subject, issue_token
 from gateway.credentials import KeySet, b64url_encode, parse_keys
 from gateway.errors import InvalidApiKey
 from gateway.metrics import AUTH_FAILURE_REASONS
@@ -132,10 +132,10 @@ def test_hs256_and_eddsa_tokens_authenticate() -> None:
     """Valid tokens map sub to the tenant and the kid to the key id."""
     checker = auth()
     assert checker.authenticate(f"Bearer {hs_token(claims())}") == Principal(
-        "acme", "jwt:hs", "jwt"
+        "acme", "jwt:hs", "jwt", "acme"
     )
     assert checker.authenticate(f"Bearer {ed_token(claims(sub='beta'))}") == Principal(
-        "beta", "jwt:ed", "jwt"
+        "beta", "jwt:ed", "jwt", "beta"
     )
 
 
@@ -145,7 +145,7 @@ def test_issue_token_round_trip() -> None:
     for signing in keys.signing_keys:
         token = issue_token(signing, "acme", 600, now=NOW)
         principal = auth(keys).authenticate(f"Bearer {token}")
-        assert principal == Principal("acme", f"jwt:{signing.kid}", "jwt")
+        assert principal == Principal("acme", f"jwt:{signing.kid}", "jwt", "acme")
 
 
 def test_forgery_alg_none() -> None:
@@ -275,3 +275,10 @@ def test_reprs_hide_secrets() -> None:
         "metrics-secret-value",
     ):
         assert secret not in text
+
+
+def test_bounded_subject_is_short_and_plain() -> None:
+    """A subject is cut to 128 characters and anything but plain characters becomes "_"."""
+    assert bounded_subject("customer-42@example.com") == "customer-42@example.com"
+    assert bounded_subject('a"b\nc d') == "a_b_c_d"
+    assert len(bounded_subject("x" * 1000)) == MAX_SUBJECT_CHARS

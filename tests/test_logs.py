@@ -241,6 +241,7 @@ async def client(aiohttp_client: Any) -> Any:
         {
             "engine": {"socket": str(directory / "absent.sock"), "health_interval_s": 0.05},
             "auth": {"keys_file": str(keys_file)},
+            "ledger": {"path": str(directory / "usage.sqlite3")},
             "tenants": {"acme": {}},
         }
     )

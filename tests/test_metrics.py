@@ -220,6 +220,7 @@ async def metrics_client(aiohttp_client: Any, directory: Path, extra: str = "") 
         {
             "engine": {"socket": str(directory / "absent.sock"), "health_interval_s": 0.05},
             "auth": {"keys_file": str(keys_file)},
+            "ledger": {"path": str(directory / "usage.sqlite3")},
             "metrics": {"engine_scrape_timeout_s": 0.5, "engine_scrape_cache_s": 0},
             "tenants": {"acme": {}},
         }

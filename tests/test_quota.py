@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.config import RatelimitSettings, Settings, TenantSettings, parse_settings
 from gateway.metrics import Metrics
-from gateway.quota import MemoryQuota, QuotaCollector, QuotaExceeded, windows_at
+from gateway.quota import MemoryQuota, QuotaExceeded, quota_samples, windows_at
 from gateway.quota_redis import EXPIRY_GRACE_S, RedisQuota
 from tests.test_ratelimit_redis import REDIS_SERVER, RedisServer
 
@@ -81,9 +81,12 @@ async def test_over_daily_quota_is_429_insufficient_quota_until_midnight() -> No
     assert err.headers["Retry-After"] == "3600"
     assert "300 remain" in err.message and "2026-12-02T00:00:00Z" in err.message
     assert err.body()["error"]["type"] == "insufficient_quota"
-    assert metrics.registry.get_sample_value(
-        "gateway_rate_limited_total", {"tenant": "acme", "limit": "tokens_per_day"}
-    ) == 1
+    assert (
+        metrics.registry.get_sample_value(
+            "gateway_rate_limited_total", {"tenant": "acme", "limit": "tokens_per_day"}
+        )
+        == 1
+    )
     await quota.reserve(ACME, 300)  # exactly what is left passes
     with pytest.raises(QuotaExceeded, match="exceeded your daily"):
         await quota.reserve(ACME, 1)
@@ -131,7 +134,7 @@ async def test_restore_seeds_the_day_and_month() -> None:
     quota.restore({"acme": 990}, {"acme": 2000})
     with pytest.raises(QuotaExceeded):
         await quota.reserve(ACME, 11)
-    metrics.registry.register(QuotaCollector(quota, lambda: SETTINGS))
+    metrics.quota.source = lambda: quota_samples(quota, SETTINGS)
     get = metrics.registry.get_sample_value
     assert get("gateway_quota_used_tokens", {"tenant": "acme", "window": "day"}) == 990
     assert get("gateway_quota_limit_tokens", {"tenant": "acme", "window": "month"}) == 2500

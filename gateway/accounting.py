@@ -1,8 +1,9 @@
 """Usage accounting for the model request path: the quota reservation and the ledger record.
 
-One `Usage` per app. The model request path calls `Usage.reserve` at admission (after the
-tenant is known, before the per-minute limits) and `Usage.finish` once when the request ends,
-on every path; ``GET /v1/usage`` is answered by `Usage.document`.
+One `Accounting` per app. The model request path (`gateway.proxy`) calls `Accounting.reserve`
+at admission (after the tenant is known, before the per-minute limits) and `Accounting.settle`
+when the request ends; a finish hook calls `Accounting.record` once per model request, on every
+path, refused ones included. ``GET /v1/usage`` is answered by `Accounting.document`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from gateway.quota import (
     LIMIT_NAMES,
     MemoryQuota,
     Quota,
-    QuotaCollector,
     QuotaReservation,
     iso_utc,
+    quota_samples,
     windows_at,
 )
 from gateway.usage_report import ReportError, make_span, summarise, totals
@@ -47,7 +48,7 @@ def create_quota(
     return MemoryQuota(settings, metrics, clock=clock)
 
 
-class Usage:
+class Accounting:
     """The quota backend and the ledger writer of one gateway process.
 
     Args:
@@ -74,7 +75,7 @@ class Usage:
                 max_pending=cfg.max_pending,
                 clock=clock,
             )
-        metrics.registry.register(QuotaCollector(self.quota, lambda: self._settings))
+        metrics.quota.source = lambda: quota_samples(self.quota, self._settings)
 
     def reconfigure(self, settings: Settings) -> None:
         """Take a reloaded config: new quotas apply to the next request (ledger settings need a
@@ -121,9 +122,12 @@ class Usage:
         """
         return await self.quota.reserve(tenant, tokens)
 
-    async def finish(
+    async def settle(self, reservation: QuotaReservation, total_tokens: int) -> None:
+        """Settle a quota reservation to the prompt plus completion tokens used; never raises."""
+        await self.quota.settle(reservation, total_tokens)
+
+    def record(
         self,
-        reservation: QuotaReservation | None,
         *,
         tenant: str,
         key_id: str,
@@ -138,13 +142,11 @@ class Usage:
         duration_s: float,
         request_id: str,
     ) -> None:
-        """Settle the quota to the tokens used and queue the request's ledger record.
+        """Queue the ledger record of one finished model request (see `UsageRecord`).
 
         Called once per model request that passed authentication, whatever its outcome
-        (tokens 0 for a request refused before the engine). Never raises.
+        (tokens 0 for a request refused before the engine). O(1); never raises.
         """
-        if reservation is not None:
-            await self.quota.settle(reservation, prompt_tokens + completion_tokens)
         if self.ledger is None:
             return
         now = self._clock()
