@@ -145,7 +145,8 @@ def _command(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from engine.logs import configure_logging, get_logger
-    from engine.supervise import Supervisor, SystemdNotifier
+    from engine.supervise import Supervisor
+    from engine.systemd import SystemdNotifier
 
     configure_logging()
     log = get_logger()

@@ -150,6 +150,15 @@ class SuperviseConfig:
         ready_file: a file created when the engine is ready (after the warm-up) and removed
             while it is unhealthy and when the launcher exits; the gateway's
             ``engine.ready_file`` points at it to tell ``warming`` from ``ready``. Empty: none.
+        stall_after_s: the progress watchdog: a request running (``vllm:num_requests_running``
+            above 0) with no movement of the token and finished-request counters for this long
+            means hung: the engine is killed as an unhealthy one. 1800 s clears a
+            250,000-token prefill on a V100, during which vLLM's counters stand still; the
+            arithmetic is in `engine.progress`. 0 turns the verdict off (the reading is still
+            reported). Must be 0 or at least ``health_interval_s``.
+        status_file: the launcher's status JSON (state, watchdog reading, restarts by reason;
+            format in `engine.status`), rewritten on every change and probe; the gateway's
+            ``engine.launcher_status_file`` reads it for its metrics. Empty: none.
     """
 
     start_timeout_s: float = 1800.0
@@ -160,6 +169,8 @@ class SuperviseConfig:
     warmup: bool = True
     warmup_max_tokens: int = 16
     ready_file: str = ""
+    stall_after_s: float = 1800.0
+    status_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -392,6 +403,8 @@ _SUPERVISE_KEYS: dict[str, _Check] = {
     "warmup": _bool,
     "warmup_max_tokens": _int(1, 4096),
     "ready_file": _string,
+    "stall_after_s": _float(0.0, 86_400.0),
+    "status_file": _string,
 }
 
 _PREFLIGHT_KEYS: dict[str, _Check] = {
@@ -425,7 +438,8 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
 
     Raises:
         ConfigError: unknown section or key, wrong type, out-of-range value, a refused flag or
-            environment variable, or ``supervise.unhealthy_after_s`` below ``health_interval_s``.
+            environment variable, or ``supervise.unhealthy_after_s`` or a non-zero
+            ``stall_after_s`` below ``health_interval_s``.
     """
     sections: dict[str, Any] = {}
     for name, table in data.items():
@@ -438,6 +452,11 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
         raise ConfigError(
             f"supervise.unhealthy_after_s = {_show(supervise.unhealthy_after_s)}: must be at least "
             f"supervise.health_interval_s ({_show(supervise.health_interval_s)})"
+        )
+    if 0 < supervise.stall_after_s < supervise.health_interval_s:
+        raise ConfigError(
+            f"supervise.stall_after_s = {_show(supervise.stall_after_s)}: must be 0 (off) or at "
+            f"least supervise.health_interval_s ({_show(supervise.health_interval_s)})"
         )
     return settings
 

@@ -1,4 +1,4 @@
-"""Client for the engine's ``GET /health`` and one warm-up chat completion over its Unix socket."""
+"""Client for the engine's ``/health``, ``/metrics`` and one warm-up completion (Unix socket)."""
 
 from __future__ import annotations
 
@@ -108,6 +108,19 @@ class EngineClient:
             return Health("error", str(exc.os_error))
         except aiohttp.ClientError as exc:
             return Health("error", f"{type(exc).__name__}: {exc}")
+
+    async def metrics(self, timeout_s: float) -> str | None:
+        """``GET /metrics`` (Prometheus text, vLLM's ``vllm:*`` series); None on any failure."""
+        try:
+            async with self._http.get(
+                "http://engine/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                body = await response.read()
+                if response.status != 200:
+                    return None
+                return body.decode("utf-8", "replace")
+        except (asyncio.TimeoutError, aiohttp.ClientError):
+            return None
 
     async def warm_up(self, model: str, max_tokens: int, timeout_s: float) -> WarmUp:
         """One short non-streaming chat completion with thinking off.

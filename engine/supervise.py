@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import signal
-import socket
-import stat
 from collections.abc import Awaitable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from structlog.typing import FilteringBoundLogger
@@ -17,98 +15,13 @@ from structlog.typing import FilteringBoundLogger
 from engine.command import Launch
 from engine.config import Settings
 from engine.health import EngineClient
+from engine.progress import StallWatch, Verdict, parse_progress
+from engine.socketfile import SupervisorError, acquire_lock, remove_stale_socket
+from engine.status import RestartReason, StatusFile
+from engine.systemd import SystemdNotifier
 
 # Margin added to the timeouts announced to systemd with EXTEND_TIMEOUT_USEC, in seconds.
 _SYSTEMD_MARGIN_S = 10.0
-
-
-class SupervisorError(RuntimeError):
-    """The engine cannot be started: socket path busy or not a socket, lock held, spawn failed."""
-
-
-class SystemdNotifier:
-    """Sends sd_notify(3) datagrams (``READY=1``, ``STATUS=...``) to ``$NOTIFY_SOCKET``.
-
-    Without an address every call is a no-op, so the launcher runs the same outside systemd.
-    Addresses are a filesystem path or ``@name`` for Linux's abstract namespace, as systemd sets
-    them (sd_notify(3)).
-    """
-
-    def __init__(self, address: str | None) -> None:
-        self._address: str | None = None
-        self._socket: socket.socket | None = None
-        if address and address[0] in "/@":
-            self._address = "\0" + address[1:] if address[0] == "@" else address
-            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-
-    def notify(self, *assignments: str) -> None:
-        """Send ``assignments`` (``"READY=1"``, ``"STATUS=text"``) as one newline-joined datagram.
-
-        Raises:
-            OSError: the datagram could not be sent (no listener, permission).
-        """
-        if self._socket is None or self._address is None:
-            return
-        self._socket.sendto("\n".join(assignments).encode("utf-8"), self._address)
-
-    def close(self) -> None:
-        """Release the socket."""
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
-
-
-def acquire_lock(socket_path: str) -> int:
-    """Take an exclusive lock on ``<socket>.lock`` and return its descriptor (held until closed).
-
-    Two launchers on one socket would delete each other's socket while the engine loads (the
-    engine binds early but accepts late, so a loading engine looks like a stale socket).
-
-    Raises:
-        SupervisorError: another process holds the lock, or the directory is not usable.
-    """
-    path = socket_path + ".lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise SupervisorError(f"cannot open {path}: {exc.strerror}") from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise SupervisorError(f"another launcher holds {path}") from None
-    return fd
-
-
-def remove_stale_socket(path: str) -> bool:
-    """Remove ``path`` if it is a socket nobody accepts on; True if something was removed.
-
-    vLLM does not unlink its socket on exit and then fails to bind with "address in use"
-    (vllm-protocol.md section 1.3).
-
-    Raises:
-        SupervisorError: ``path`` is not a socket, or a process accepts connections on it.
-    """
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISSOCK(info.st_mode):
-        raise SupervisorError(f"{path} exists and is not a socket; refusing to remove it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise SupervisorError(f"cannot probe {path}: {exc.strerror or exc}") from exc
-    finally:
-        probe.close()
-    raise SupervisorError(f"a process accepts connections on {path}: another engine is running")
 
 
 def describe_exit(returncode: int) -> tuple[str, str | None]:
@@ -132,6 +45,14 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
         await task
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why a phase gave up on the engine: the restart reason counted and one sentence."""
+
+    reason: RestartReason
+    text: str
+
+
 class Supervisor:
     """Runs one engine from spawn to exit; `run` returns the launcher's exit status.
 
@@ -148,7 +69,12 @@ class Supervisor:
     4. ``ready``: ``READY=1`` to systemd, then a probe every ``health_interval_s``; each 200
        sends ``WATCHDOG=1``. No 200 for ``unhealthy_after_s``: TERM the process group (with
        SIGCONT, as systemd.kill(5) does, so a stopped engine can act on it), KILL after
-       ``stop_grace_s``, exit 1 so systemd restarts the unit.
+       ``stop_grace_s``, exit 1 so systemd restarts the unit. After each 200 the progress
+       watchdog reads ``GET /metrics`` (`engine.progress`): a request running with no counter
+       moving for ``stall_after_s`` is a hang, ended the same way.
+
+    Every state change and every probe is written to ``status_file`` (`engine.status`), with a
+    restart counted by reason whenever the engine run ends in a failure.
 
     The engine exiting by itself is exit 1 with its code or signal named. SIGTERM/SIGINT:
     ``STOPPING=1``, the same signal to the engine, KILL after ``stop_grace_s``; a second signal
@@ -177,6 +103,9 @@ class Supervisor:
         self._spawned_at = 0.0
         self._start_deadline = 0.0
         self._warmup_failures = 0
+        self._status = StatusFile(settings.supervise.status_file, settings.supervise.stall_after_s)
+        self._status_failed = False
+        self._progress_readable: bool | None = None
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -187,6 +116,25 @@ class Supervisor:
             if not self._notify_failed:
                 self._notify_failed = True
                 self._log.warning("notify_failed", error=str(exc))
+
+    def _set_status(self, **fields: Any) -> None:
+        self._write_status(self._status.update, **fields)
+
+    def _count_restart(self, reason: RestartReason, text: str) -> None:
+        self._write_status(self._status.record_restart, reason, text)
+        self._set_status(state="exited", detail=text)
+
+    def _write_status(self, write: Any, *args: Any, **fields: Any) -> None:
+        try:
+            write(*args, **fields)
+        except OSError as exc:
+            if not self._status_failed:
+                self._status_failed = True
+                self._log.warning(
+                    "status_file_failed",
+                    path=self._settings.supervise.status_file,
+                    error=exc.strerror,
+                )
 
     def _on_signal(self, signum: int) -> None:
         assert self._stop is not None and self._force is not None
@@ -223,6 +171,7 @@ class Supervisor:
         except SupervisorError as exc:
             self._log.error("start_refused", error=str(exc))
             self._notify(f"STATUS=not started: {exc}")
+            self._count_restart("start_refused", str(exc))
             return 1
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -253,6 +202,7 @@ class Supervisor:
             self._log.info(
                 "spawn", pid=self._pid, argv=list(self._launch.argv), env=dict(self._public_env())
             )
+            self._set_status(state="loading", engine_pid=self._pid, detail="loading the model")
             async with EngineClient(engine.socket) as client:
                 for phase in (self._wait_healthy, self._warm_up):
                     code = await self._guard(phase(client))
@@ -286,11 +236,11 @@ class Supervisor:
             for name, value in self._launch.env.items()
         }
 
-    async def _guard(self, phase: Coroutine[Any, Any, str | None]) -> int | None:
+    async def _guard(self, phase: Coroutine[Any, Any, Failure | None]) -> int | None:
         """Run ``phase`` until it ends, the engine exits or a signal arrives.
 
         Returns None when the phase succeeded, else the launcher's exit status (after stopping
-        or killing the engine as needed). A phase returns a failure reason or None.
+        or killing the engine as needed). A phase returns a `Failure` or None.
         """
         assert self._exited is not None and self._stop is not None
         task = asyncio.ensure_future(phase)
@@ -302,19 +252,19 @@ class Supervisor:
         if self._exited.done():
             await _cancel(task)
             return self._engine_exited()
-        reason = task.result()
-        if reason is None:
+        failure = task.result()
+        if failure is None:
             return None
-        return await self._terminate(reason)
+        return await self._terminate(failure)
 
-    async def _guard_final(self, phase: Coroutine[Any, Any, str]) -> int:
+    async def _guard_final(self, phase: Coroutine[Any, Any, Failure]) -> int:
         code = await self._guard(phase)
         assert code is not None  # _watch only returns with a failure reason
         return code
 
     # -- phases ---------------------------------------------------------------------------------
 
-    async def _wait_healthy(self, client: EngineClient) -> str | None:
+    async def _wait_healthy(self, client: EngineClient) -> Failure | None:
         supervise = self._settings.supervise
         self._notify(
             f"STATUS=loading the model (engine pid {self._pid})",
@@ -325,7 +275,11 @@ class Supervisor:
         while True:
             remaining = self._start_deadline - self._loop_time()
             if remaining <= 0:
-                return f"/health did not answer 200 within start_timeout_s ({supervise.start_timeout_s:g} s)"
+                return Failure(
+                    "start_timeout",
+                    f"/health did not answer 200 within start_timeout_s "
+                    f"({supervise.start_timeout_s:g} s)",
+                )
             health = await client.health(min(supervise.probe_timeout_s, remaining))
             if health.healthy:
                 after = self._loop_time() - self._spawned_at
@@ -337,12 +291,13 @@ class Supervisor:
             remaining = self._start_deadline - self._loop_time()
             await asyncio.sleep(max(0.0, min(supervise.health_interval_s, remaining)))
 
-    async def _warm_up(self, client: EngineClient) -> str | None:
+    async def _warm_up(self, client: EngineClient) -> Failure | None:
         supervise = self._settings.supervise
         if not supervise.warmup:
             self._log.info("warmup", skipped=True)
             return None
         self._notify(f"STATUS=warming up (engine pid {self._pid})")
+        self._set_status(state="warming", detail="one short completion before ready")
         budget = max(self._start_deadline - self._loop_time(), supervise.probe_timeout_s)
         result = await client.warm_up(
             self._settings.engine.served_model, supervise.warmup_max_tokens, budget
@@ -355,19 +310,23 @@ class Supervisor:
             self._log.warning("warmup", ok=False, detail=result.detail, **fields)
         return None
 
-    async def _watch(self, client: EngineClient) -> str:
+    async def _watch(self, client: EngineClient) -> Failure:
         supervise = self._settings.supervise
         engine = self._settings.engine
         warm = "warm" if self._warmup_failures == 0 else "warm-up failed"
-        ready_status = f"STATUS=ready: {engine.served_model} on {engine.socket} ({warm})"
+        ready_detail = f"{engine.served_model} on {engine.socket} ({warm})"
+        ready_status = f"STATUS=ready: {ready_detail}"
         self._notify("READY=1", ready_status)
         self._mark_ready(True)
+        self._set_status(state="ready", detail=ready_detail)
         self._log.info(
             "ready",
             pid=self._pid,
             startup_s=round(self._loop_time() - self._spawned_at, 3),
             warmup_failures=self._warmup_failures,
+            stall_after_s=supervise.stall_after_s,
         )
+        watch = StallWatch(supervise.stall_after_s)
         last_ok = self._loop_time()
         failing = False
         while True:
@@ -381,8 +340,14 @@ class Supervisor:
                     self._log.info("recovered", pid=self._pid, after_s=round(now - last_ok, 3))
                     self._notify(ready_status)
                     self._mark_ready(True)
+                    self._set_status(state="ready", detail=ready_detail)
                 last_ok = now
                 self._notify("WATCHDOG=1")
+                verdict = await self._read_progress(client, watch)
+                if verdict.hung:
+                    text = watch.describe(verdict)
+                    self._log.error("hung", pid=self._pid, detail=text)
+                    return Failure("hang", f"hung: {text}")
             else:
                 silent = now - last_ok
                 if not failing:
@@ -396,13 +361,35 @@ class Supervisor:
                     )
                     self._notify(f"STATUS=unhealthy: {health.state} ({health.detail})")
                     self._mark_ready(False)
+                    self._set_status(state="unhealthy", detail=f"{health.state}: {health.detail}")
                 if silent >= supervise.unhealthy_after_s:
-                    return (
+                    return Failure(
+                        "unhealthy",
                         f"no healthy /health answer for {silent:.1f} s (unhealthy_after_s "
-                        f"{supervise.unhealthy_after_s:g}); last probe: {health.state}"
+                        f"{supervise.unhealthy_after_s:g}); last probe: {health.state}",
                     )
             wait = min(supervise.health_interval_s, last_ok + supervise.unhealthy_after_s - now)
             await asyncio.sleep(max(0.0, wait))
+
+    async def _read_progress(self, client: EngineClient, watch: StallWatch) -> Verdict:
+        """One ``/metrics`` read fed to the watchdog; logs when the counters become unreadable
+        or readable again, and writes the reading to the status file."""
+        text = await client.metrics(self._settings.supervise.probe_timeout_s)
+        progress = parse_progress(text) if text is not None else None
+        verdict = watch.observe(self._loop_time(), progress)
+        readable = progress is not None
+        if readable != self._progress_readable:
+            if readable:
+                self._log.info("progress_readable", pid=self._pid)
+            else:
+                why = "no answer" if text is None else "no vllm:num_requests_running series"
+                self._log.warning("progress_unreadable", pid=self._pid, detail=why)
+            self._progress_readable = readable
+        self._set_status(
+            running=progress.running if progress is not None else None,
+            stalled_s=round(verdict.stalled_s, 3),
+        )
+        return verdict
 
     # -- endings --------------------------------------------------------------------------------
 
@@ -428,16 +415,26 @@ class Supervisor:
         self._signal_group(signal.SIGKILL)
         return sent
 
-    async def _terminate(self, reason: str) -> int:
-        """Kill an engine that failed a phase (hung, never healthy); always exit status 1."""
+    async def _terminate(self, failure: Failure) -> int:
+        """Kill an engine that failed a phase (hung, unhealthy, never healthy); exit status 1."""
         assert self._exited is not None and self._stop is not None
-        self._log.error("killing", pid=self._pid, reason=reason)
+        reason = failure.text
+        self._log.error("killing", pid=self._pid, cause=failure.reason, reason=reason)
         self._notify(f"STATUS=killing the engine: {reason}")
+        self._mark_ready(False)
+        self._set_status(state="killing", detail=reason)
         sent = await self._kill(signal.SIGTERM, asyncio.shield(self._stop))
         text, signame = describe_exit(self._exited.result())
         self._log.error(
-            "killed", pid=self._pid, reason=reason, signals=sent, exit=text, signal=signame
+            "killed",
+            pid=self._pid,
+            cause=failure.reason,
+            reason=reason,
+            signals=sent,
+            exit=text,
+            signal=signame,
         )
+        self._count_restart(failure.reason, reason)
         return 1
 
     def _engine_exited(self) -> int:
@@ -448,6 +445,7 @@ class Supervisor:
         self._signal_group(signal.SIGKILL)
         self._log.error("exited", pid=self._pid, returncode=returncode, signal=signame, reason=text)
         self._notify(f"STATUS={text}")
+        self._count_restart("exited", text)
         return 1
 
     async def _shutdown(self) -> int:
@@ -462,6 +460,7 @@ class Supervisor:
             "EXTEND_TIMEOUT_USEC=" + _usec(grace + _SYSTEMD_MARGIN_S),
         )
         self._log.info("stopping", pid=self._pid, signal=name, grace_s=grace)
+        self._set_status(state="stopping", detail=f"stopping on {name}")
         if self._exited.done():
             sent: list[str] = []
         else:
@@ -478,4 +477,5 @@ class Supervisor:
             signals=sent,
             reason=text,
         )
+        self._set_status(state="stopped", detail=text)
         return 1 if forced else 0

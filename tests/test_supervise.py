@@ -2,189 +2,29 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from engine.supervise import describe_exit, remove_stale_socket
-from tests.conftest import REPO, to_toml, wait_until
-
-# Short timings so hangs and stops resolve in seconds (DESIGN section 8 keys).
-FAST = {
-    "start_timeout_s": 30,
-    "health_interval_s": 0.2,
-    "probe_timeout_s": 0.5,
-    "unhealthy_after_s": 2,
-    "stop_grace_s": 2,
-    "warmup_max_tokens": 4,
-}
-MARGIN_S = 4.0  # scheduling slack on a busy 2-core machine
-
-
-class NotifyListener:
-    """A datagram socket standing in for systemd's $NOTIFY_SOCKET; keeps every message."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind("\0" + address[1:] if address.startswith("@") else address)
-        self.messages: list[list[str]] = []
-
-    def wait_for(self, assignment: str, timeout: float, count: int = 1) -> list[str]:
-        """Read datagrams until ``count`` of them contain ``assignment``; return the last one."""
-        deadline = time.monotonic() + timeout
-        found = [m for m in self.messages if assignment in m]
-        while len(found) < count:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"no {assignment!r} within {timeout} s: {self.messages}")
-            self.sock.settimeout(remaining)
-            try:
-                data = self.sock.recv(4096)
-            except TimeoutError:
-                continue
-            message = data.decode().split("\n")
-            self.messages.append(message)
-            if assignment in message:
-                found.append(message)
-        return found[-1]
-
-    def drain(self) -> None:
-        """Read whatever is queued without waiting."""
-        self.sock.settimeout(0)
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                self.messages.append(self.sock.recv(4096).decode().split("\n"))
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@dataclass
-class Launcher:
-    """A running `python -m engine serve` and what it told us."""
-
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    notify: NotifyListener
-    socket: str
-    engine_pids: list[int] = field(default_factory=list)
-
-    def logs(self) -> list[dict[str, Any]]:
-        """The launcher's JSON log lines (component ``launcher``), parsed."""
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                entry = json.loads(line)
-                if entry.get("component") == "launcher":
-                    out.append(entry)
-        return out
-
-    def events(self) -> list[str]:
-        return [entry["event"] for entry in self.logs()]
-
-    def event(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
-        """The first log entry with event ``name``, waiting up to ``timeout`` seconds."""
-        found: list[dict[str, Any]] = []
-
-        def seen() -> bool:
-            found[:] = [e for e in self.logs() if e["event"] == name]
-            return bool(found) or self.proc.poll() is not None
-
-        wait_until(seen, timeout)
-        assert found, f"no {name!r} event; log: {self.log_path.read_text()[-3000:]}"
-        return found[0]
-
-    def engine_pid(self) -> int:
-        pid = int(self.event("spawn")["pid"])
-        self.engine_pids.append(pid)
-        return pid
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` exists (a reaped child no longer does)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from engine.socketfile import remove_stale_socket
+from engine.supervise import describe_exit
+from tests.launcher import FAST, MARGIN_S, Launcher, Launchers, alive
 
 
 @pytest.fixture
 def launch(workdir: Path) -> Iterator[Callable[..., Launcher]]:
     """Start launchers running the simulator as their engine; everything is killed afterwards."""
-    started: list[Launcher] = []
-
-    def factory(
-        supervise: dict[str, Any] | None = None,
-        engine: dict[str, Any] | None = None,
-        notify_address: str | None = None,
-    ) -> Launcher:
-        sock = str(workdir / "e.sock")
-        config = {
-            "engine": {
-                "program": [sys.executable, "-m", "engine", "sim"],
-                "socket": sock,
-                "model_path": str(workdir),
-                **(engine or {}),
-            },
-            "supervise": {**FAST, **(supervise or {})},
-        }
-        path = workdir / "engine.toml"
-        path.write_text(to_toml(config))
-        listener = NotifyListener(notify_address or str(workdir / f"notify-{len(started)}.sock"))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("QWEN38_", "NOTIFY_"))}
-        env["NOTIFY_SOCKET"] = listener.address
-        log_path = workdir / f"launcher-{len(started)}.log"
-        with open(log_path, "wb") as log_file:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "engine",
-                    "serve",
-                    "--config",
-                    str(path),
-                    "--skip-preflight",
-                ],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=env,
-            )
-        launcher = Launcher(proc, log_path, listener, sock)
-        started.append(launcher)
-        return launcher
-
-    yield factory
-    for launcher in started:
-        if launcher.proc.poll() is None:
-            launcher.proc.terminate()
-            try:
-                launcher.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                launcher.proc.kill()
-                launcher.proc.wait(10)
-        spawned = {int(e["pid"]) for e in launcher.logs() if e.get("event") == "spawn"}
-        for pid in spawned | set(launcher.engine_pids):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        launcher.notify.close()
+    launchers = Launchers(workdir)
+    yield launchers.start
+    launchers.close()
 
 
 def test_ready_status_and_watchdog_reach_the_notify_socket(launch: Callable[..., Launcher]) -> None:

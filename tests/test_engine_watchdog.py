@@ -1,0 +1,221 @@
+"""The progress watchdog: a running request with frozen counters is a hang, whatever /health says."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.progress import Progress, StallWatch, parse_progress
+from engine.status import RESTART_REASONS, StatusFile, read_status
+from tests.conftest import REPO, wait_until
+from tests.launcher import FAST, MARGIN_S, Launcher, Launchers, alive, read_json
+
+VLLM_METRICS = REPO / "tests" / "fixtures" / "vllm-metrics"
+STALL_S = 2.0
+# A request that holds the engine's only slot with every counter frozen while /health stays 200.
+STALL = {"prefill_ms": 600_000}
+
+
+@pytest.fixture
+def launch(workdir: Path) -> Iterator[Callable[..., Launcher]]:
+    """Launchers with the simulator as engine, a status file and a short stall_after_s."""
+    launchers = Launchers(workdir)
+
+    def start(supervise: dict[str, Any] | None = None, **kwargs: Any) -> Launcher:
+        settings = {"stall_after_s": STALL_S, "status_file": str(workdir / "status.json")}
+        return launchers.start({**settings, **(supervise or {})}, **kwargs)
+
+    yield start
+    launchers.close()
+
+
+def open_request(path: str, sim: dict[str, Any], max_tokens: int = 64) -> socket.socket:
+    """Send a streaming chat completion straight to the engine socket; the caller closes it."""
+    body = json.dumps(
+        {
+            "model": "qwen3.8-27b",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            "sim": sim,
+        }
+    ).encode()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(path)
+    client.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return client
+
+
+def status(workdir: Path) -> dict[str, Any]:
+    return read_json(workdir / "status.json")
+
+
+# -- reading the counters ----------------------------------------------------------------------
+
+
+def test_progress_is_read_from_real_vllm_metrics() -> None:
+    """The running gauge and the three counters are summed from a recorded vLLM /metrics page."""
+    idle = parse_progress((VLLM_METRICS / "idle.txt").read_text())
+    busy = parse_progress((VLLM_METRICS / "running.txt").read_text())
+    assert idle is not None and busy is not None
+    assert idle.running == 0 and busy.running == 1
+    assert busy.generation_tokens > idle.generation_tokens
+    assert idle.finished >= 1 and idle.prompt_tokens > 0
+
+
+def test_progress_needs_the_running_gauge() -> None:
+    """Without vllm:num_requests_running (or with garbage) there is no reading at all."""
+    assert parse_progress("vllm:generation_tokens_total 5\n") is None
+    assert parse_progress("not { prometheus\n") is None
+    assert parse_progress("") is None
+    text = 'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_running{engine="1"} 2\n'
+    assert parse_progress(text) == Progress(3, 0, 0, 0)
+
+
+def test_stall_is_running_with_frozen_counters_for_stall_after_s() -> None:
+    """Hung only after stall_after_s of a running request whose counters do not move."""
+    watch = StallWatch(10)
+    frozen = Progress(1, 100, 50, 3)
+    assert watch.observe(0, frozen).stalled_s == 0
+    assert not watch.observe(9.9, frozen).hung
+    verdict = watch.observe(10, frozen)
+    assert verdict.hung and verdict.stalled_s == 10
+    assert "1 request(s) running and no progress for 10.0 s" in watch.describe(verdict)
+
+
+@pytest.mark.parametrize(
+    "moved",
+    [Progress(1, 101, 50, 3), Progress(1, 100, 51, 3), Progress(1, 100, 50, 4)],
+    ids=["generation", "prompt", "finished"],
+)
+def test_any_counter_moving_restarts_the_clock(moved: Progress) -> None:
+    """A decoded token, a finished prefill or a finished request each count as progress."""
+    watch = StallWatch(10)
+    watch.observe(0, Progress(1, 100, 50, 3))
+    assert watch.observe(8, moved).stalled_s == 0
+    assert not watch.observe(17, moved).hung
+    assert watch.observe(18, moved).hung
+
+
+def test_idle_engine_and_failed_reads_never_hang() -> None:
+    """Nothing running is never a stall; an unreadable /metrics neither resets nor convicts."""
+    watch = StallWatch(10)
+    for now in range(0, 100, 5):
+        assert watch.observe(now, Progress(0, 7, 7, 1)).stalled_s == 0
+    watch.observe(100, Progress(1, 7, 7, 1))
+    unread = watch.observe(200, None)
+    assert not unread.hung and unread.stalled_s == 0 and unread.progress is None
+    assert watch.observe(201, Progress(1, 7, 7, 1)).hung
+
+
+def test_zero_turns_the_verdict_off() -> None:
+    """stall_after_s = 0 reports the stall but never calls it a hang."""
+    watch = StallWatch(0)
+    watch.observe(0, Progress(1, 1, 1, 1))
+    verdict = watch.observe(10_000, Progress(1, 1, 1, 1))
+    assert verdict.stalled_s == 10_000 and not verdict.hung
+
+
+def test_status_counters_survive_a_new_launcher(workdir: Path) -> None:
+    """A new StatusFile continues the previous file's counters; a foreign file is ignored."""
+    path = str(workdir / "status.json")
+    first = StatusFile(path, 30, clock=lambda: 1000.0)
+    first.update(state="ready", detail="up")
+    first.record_restart("hang", "hung: frozen")
+    second = StatusFile(path, 30)
+    second.record_restart("exited", "engine exited on signal SIGKILL")
+    data = read_status(path)
+    assert data is not None
+    assert data["hangs_total"] == 1
+    assert data["restarts_total"] == {r: int(r in ("hang", "exited")) for r in RESTART_REASONS}
+    assert data["last_restart"]["reason"] == "exited"
+    assert not [p for p in os.listdir(workdir) if p.endswith(".tmp")]
+    Path(path).write_text('{"format": 99, "hangs_total": 5}')
+    assert StatusFile(path, 30).data["hangs_total"] == 0
+
+
+# -- the launcher with the simulator -----------------------------------------------------------
+
+
+def test_stalled_engine_with_healthy_health_is_restarted(
+    launch: Callable[..., Launcher], workdir: Path
+) -> None:
+    """A request stuck with /health 200: killed within stall_after_s + a probe, reason logged."""
+    launcher = launch()
+    launcher.notify.wait_for("READY=1", timeout=30)
+    pid = launcher.engine_pid()
+    client = open_request(launcher.socket, STALL)
+    try:
+        assert wait_until(lambda: status(workdir)["running"] == 1, 10)
+        started = time.monotonic()
+        code = launcher.wait(timeout=STALL_S + FAST["stop_grace_s"] + 30)
+        elapsed = time.monotonic() - started
+    finally:
+        client.close()
+    assert code == 1
+    budget = STALL_S + FAST["health_interval_s"] + FAST["probe_timeout_s"] + FAST["stop_grace_s"]
+    assert elapsed <= budget + MARGIN_S, elapsed
+    hung = launcher.event("hung")
+    assert "1 request(s) running and no progress" in hung["detail"]
+    killed = launcher.event("killed")
+    assert killed["cause"] == "hang" and killed["reason"].startswith("hung: ")
+    assert "unhealthy" not in launcher.events()
+    assert not alive(pid)
+    launcher.notify.drain()
+    assert any(
+        m[0].startswith("STATUS=killing the engine: hung: ") for m in launcher.notify.messages
+    )
+    final = status(workdir)
+    assert final["state"] == "exited" and final["hangs_total"] == 1
+    assert final["restarts_total"]["hang"] == 1
+    assert final["last_restart"]["reason"] == "hang"
+
+
+def test_slow_progress_and_idle_time_are_not_hangs(
+    launch: Callable[..., Launcher], workdir: Path
+) -> None:
+    """Tokens trickling slower than the probe rate, then idle time, never trip the watchdog."""
+    launcher = launch()
+    launcher.notify.wait_for("READY=1", timeout=30)
+    client = open_request(launcher.socket, {"tokens_per_second": 2, "completion_tokens": 12})
+    try:
+        assert wait_until(lambda: status(workdir)["running"] == 1, 10)
+        assert wait_until(lambda: status(workdir)["running"] == 0, 20)
+    finally:
+        client.close()
+    time.sleep(STALL_S * 2)
+    assert launcher.proc.poll() is None
+    assert "hung" not in launcher.events()
+    assert status(workdir)["state"] == "ready" and status(workdir)["stalled_s"] == 0
+
+
+def test_restarts_are_counted_by_reason_across_launchers(
+    launch: Callable[..., Launcher], workdir: Path
+) -> None:
+    """A hang then a crash, in two launcher runs, give hang 1 and exited 1 in one status file."""
+    first = launch()
+    first.notify.wait_for("READY=1", timeout=30)
+    client = open_request(first.socket, STALL)
+    try:
+        assert first.wait(timeout=30) == 1
+    finally:
+        client.close()
+    second = launch()
+    second.notify.wait_for("READY=1", timeout=30)
+    assert status(workdir)["state"] == "ready"
+    os.kill(second.engine_pid(), 9)
+    assert second.wait(timeout=10) == 1
+    final = status(workdir)
+    assert final["restarts_total"] == {r: int(r in ("hang", "exited")) for r in RESTART_REASONS}
+    assert final["hangs_total"] == 1 and final["last_restart"]["reason"] == "exited"
