@@ -100,6 +100,8 @@ class EngineSettings:
     V100, so it defaults to 15 minutes; there is no total timeout.
     ``ready_file``, when set, is the file the launcher (``qwen38-engine serve``) creates once its
     warm-up request succeeded: until it exists a healthy engine counts as ``warming``.
+    ``launcher_status_file``, when set, is the launcher's status JSON; the metrics listener
+    exports it as ``qwen38_engine_*`` series (restarts by reason, hangs, stall seconds).
     ``drift_check_interval_s``: how often the gateway's in-flight count is compared with the
     engine's ``vllm:num_requests_running`` (drift is logged).
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
@@ -118,6 +120,7 @@ class EngineSettings:
     health_interval_s: float = 2.0
     queued_comment_after_s: float = 3.0
     ready_file: str = ""
+    launcher_status_file: str = ""
     drift_check_interval_s: float = 30.0
 
 

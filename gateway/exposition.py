@@ -19,6 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from gateway.state import LIVE, METRICS, UPSTREAM
+from gateway.launcher_status import LauncherStatusCollector
 
 log = structlog.get_logger("gateway.metrics")
 ENGINE_PREFIX = "vllm:"
@@ -128,6 +129,11 @@ def create_metrics_app(gateway_app: web.Application) -> web.Application:
     scrape = EngineScrape(gateway_app)
     view = CollectorRegistry(auto_describe=False)
     view.register(WithoutCreated(gateway_app[METRICS].registry))
+    view.register(
+        LauncherStatusCollector(
+            lambda: gateway_app[LIVE].current.settings.engine.launcher_status_file
+        )
+    )
 
     async def metrics_handler(request: web.Request) -> web.Response:
         token = gateway_app[LIVE].current.keys.setting(METRICS_TOKEN_SETTING)

@@ -677,6 +677,8 @@ def test_example_configs_load_with_the_reference_values() -> None:
     assert (gateway.server.host, gateway.server.port) == ("0.0.0.0", 8000)
     assert (gateway.metrics.host, gateway.metrics.port) == ("127.0.0.1", 9400)
     assert gateway.auth.keys_file == "/etc/qwen38/api-keys.env"
+    assert gateway.engine.ready_file == engine.supervise.ready_file
+    assert gateway.engine.launcher_status_file == engine.supervise.status_file != ""
 
 
 def test_example_configs_document_the_recommended_sampling() -> None:

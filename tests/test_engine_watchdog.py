@@ -5,20 +5,23 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from engine.progress import Progress, StallWatch, parse_progress
 from engine.status import RESTART_REASONS, StatusFile, read_status
-from tests.conftest import REPO, wait_until
+from tests.conftest import ALIAS, KEY_A, REPO, wait_until
 from tests.launcher import FAST, MARGIN_S, Launcher, Launchers, alive, read_json
 
 VLLM_METRICS = REPO / "tests" / "fixtures" / "vllm-metrics"
 STALL_S = 2.0
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
 # A request that holds the engine's only slot with every counter frozen while /health stays 200.
 STALL = {"prefill_ms": 600_000}
 
@@ -219,3 +222,84 @@ def test_restarts_are_counted_by_reason_across_launchers(
     final = status(workdir)
     assert final["restarts_total"] == {r: int(r in ("hang", "exited")) for r in RESTART_REASONS}
     assert final["hangs_total"] == 1 and final["last_restart"]["reason"] == "exited"
+
+
+# -- the gateway in front ----------------------------------------------------------------------
+
+
+def test_queued_request_waits_through_a_hang_restart(
+    launch: Callable[..., Launcher], workdir: Path, gateway_factory: Any
+) -> None:
+    """Gateway + launcher: the hung request fails, the queued one waits for the restarted engine
+    and succeeds, and the gateway's scrape shows the hang and the restart by reason."""
+    first = launch({"ready_file": str(workdir / "engine.ready")})
+    first.notify.wait_for("READY=1", timeout=30)
+    gw = gateway_factory(
+        None,
+        {
+            "engine": {
+                "socket": first.socket,
+                "ready_file": str(workdir / "engine.ready"),
+                "launcher_status_file": str(workdir / "status.json"),
+                "max_concurrency": 1,
+                "queue_timeout_s": 60,
+            }
+        },
+    )
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, sim: dict[str, Any] | None = None, **extra: Any) -> None:
+        body: dict[str, Any] = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}]}
+        if sim:
+            body["sim"] = sim
+        results[name] = httpx.post(
+            gw.url("/v1/chat/completions"), headers=AUTH, json={**body, **extra}, timeout=60
+        )
+
+    hung = threading.Thread(target=send, args=("hung", STALL))
+    hung.start()
+    assert wait_until(lambda: httpx.get(gw.url("/ready")).json()["in_flight"] == 1, 5)
+    queued = threading.Thread(target=send, args=("queued",), kwargs={"max_tokens": 4})
+    queued.start()
+    assert wait_until(lambda: httpx.get(gw.url("/ready")).json()["queue_depth"] == 1, 5)
+    assert first.wait(timeout=30) == 1
+    hung.join(15)
+    assert results["hung"].status_code in (502, 503)
+    time.sleep(1.0)
+    assert "queued" not in results  # waiting for the engine, not refused
+    second = launch({"ready_file": str(workdir / "engine.ready")})  # systemd's Restart=always
+    second.notify.wait_for("READY=1", timeout=30)
+    queued.join(30)
+    assert results["queued"].status_code == 200
+    assert gw.metric("qwen38_engine_hangs_total") == 1
+    assert gw.metric("qwen38_engine_restarts_total", reason="hang") == 1
+    assert gw.metric("qwen38_engine_restarts_total", reason="unhealthy") == 0
+    assert gw.metric("qwen38_engine_launcher_state", state="ready") == 1
+    assert gw.metric("qwen38_engine_stalled_seconds") == 0
+
+
+def test_gateway_exports_the_status_file_with_the_contract_types(workdir: Path) -> None:
+    """The gateway's collector turns a launcher status file into the families the rules read."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway.launcher_status import LauncherStatusCollector
+    from tests.test_prometheus_rules import CONTRACT_METRICS
+
+    path = workdir / "status.json"
+    writer = StatusFile(str(path), 1800)
+    writer.update(state="ready", running=1.0, stalled_s=12.5)
+    writer.record_restart("unhealthy", "no healthy /health answer")
+    writer.update(state="ready")
+    registry = CollectorRegistry()
+    registry.register(LauncherStatusCollector(lambda: str(path)))
+    text = generate_latest(registry).decode()
+    declared = dict(line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
+    for family, (kind, _labels) in CONTRACT_METRICS.items():
+        if family.startswith("qwen38_engine_"):
+            assert declared[family] == kind, family
+    progress = {s.name: s for f in registry.collect() for s in f.samples if not s.labels}
+    assert progress["qwen38_engine_stalled_seconds"].value == 12.5
+    assert 'qwen38_engine_restarts_total{reason="unhealthy"} 1.0' in text
+    assert 'qwen38_engine_launcher_state{state="ready"} 1.0' in text
+    path.write_text("{not json")
+    assert "qwen38_engine" not in generate_latest(registry).decode()

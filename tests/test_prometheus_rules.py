@@ -57,6 +57,11 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:request_success_total": ("counter", (*_VLLM, "finished_reason")),
     "vllm:time_to_first_token_seconds": ("histogram", _VLLM),
     "vllm:e2e_request_latency_seconds": ("histogram", _VLLM),
+    # From the launcher's status file (gateway/launcher_status.py).
+    "qwen38_engine_restarts_total": ("counter", ("reason",)),
+    "qwen38_engine_hangs_total": ("counter", ()),
+    "qwen38_engine_stalled_seconds": ("gauge", ()),
+    "qwen38_engine_launcher_state": ("gauge", ("state",)),
 }
 # Labels Prometheus attaches to every series of the scrape target.
 TARGET_LABELS = frozenset({"job", "instance"})

@@ -1,0 +1,106 @@
+"""The launcher's status file as ``qwen38_engine_*`` series in the gateway's scrape.
+
+The launcher (``qwen38-engine serve``) runs without a network and writes its state, its progress
+watchdog's reading and its restart counters to a JSON file (format 1, defined by the launcher;
+``engine.launcher_status_file`` in gateway.toml points at it). This collector reads that file at
+each scrape; a missing or unreadable file gives no series (the launcher may not have started).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+STATUS_FORMAT = 1
+# Bounded label values: anything else in the file is not exported.
+RESTART_REASONS = ("hang", "unhealthy", "exited", "start_timeout", "start_refused")
+STATES = (
+    "starting",
+    "loading",
+    "warming",
+    "ready",
+    "unhealthy",
+    "killing",
+    "stopping",
+    "stopped",
+    "exited",
+)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def read_launcher_status(path: str) -> dict[str, Any] | None:
+    """The status file's object, or None when absent, unreadable, not JSON or another format."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != STATUS_FORMAT:
+        return None
+    return data
+
+
+class LauncherStatusCollector(Collector):
+    """Exports the status file named by ``path()`` (read at each collect; "" means none).
+
+    Families: ``qwen38_engine_restarts_total{reason}`` (engine runs ended by a failure, each
+    followed by a restart of the unit), ``qwen38_engine_hangs_total`` (hangs the progress
+    watchdog found), ``qwen38_engine_stalled_seconds`` (a request running with no token or
+    request counter moving, 0 when moving or idle), ``qwen38_engine_launcher_state{state}``
+    (1 for the current state), ``qwen38_engine_launcher_updated_timestamp_seconds``.
+    """
+
+    def __init__(self, path: Callable[[], str]) -> None:
+        self._path = path
+
+    def collect(self) -> Iterator[Metric]:
+        """The families above, nothing when the file cannot be used."""
+        path = self._path()
+        data = read_launcher_status(path) if path else None
+        if data is None:
+            return
+        restarts = data.get("restarts_total")
+        restarts = restarts if isinstance(restarts, dict) else {}
+        family = CounterMetricFamily(
+            "qwen38_engine_restarts",
+            "Engine runs ended by a failure (each followed by a restart), by reason.",
+            labels=["reason"],
+        )
+        for reason in RESTART_REASONS:
+            family.add_metric([reason], _number(restarts.get(reason)) or 0.0)
+        yield family
+        yield CounterMetricFamily(
+            "qwen38_engine_hangs",
+            "Hangs found by the launcher's progress watchdog (a request running, no progress).",
+            value=_number(data.get("hangs_total")) or 0.0,
+        )
+        yield GaugeMetricFamily(
+            "qwen38_engine_stalled_seconds",
+            "Seconds a request has been running with no engine counter moving (0 when moving).",
+            value=_number(data.get("stalled_s")) or 0.0,
+        )
+        state = GaugeMetricFamily(
+            "qwen38_engine_launcher_state",
+            "The launcher's state: 1 for the current one.",
+            labels=["state"],
+        )
+        for name in STATES:
+            state.add_metric([name], 1.0 if data.get("state") == name else 0.0)
+        yield state
+        updated = _number(data.get("updated_at"))
+        if updated is not None:
+            yield GaugeMetricFamily(
+                "qwen38_engine_launcher_updated_timestamp_seconds",
+                "Unix time of the launcher's last status write.",
+                value=updated,
+            )
