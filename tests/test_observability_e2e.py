@@ -30,6 +30,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sim.tokens import chat_prompt_tokens, text_tokens
+from engine.status import StatusFile
 from gateway.metrics import (
     AUTH_FAILURE_REASONS,
     RATE_LIMITS,
@@ -107,13 +108,20 @@ def token_for(sub: str, secret: bytes = JWT_SECRET, kid: str = "obs") -> str:
 
 @pytest.fixture(scope="module")
 def obs() -> Iterator[Gateway]:
-    """Simulator + gateway; keys for acme, beta, carol, tight (1 request a minute) and a JWT key."""
-    with running_stack(
-        {"tenants": {"tight": {"rpm": 1}}},
-        keys=MODULE_KEYS,
-        keys_extra=f"JWT_obs=hs256:{JWT_SECRET_TEXT}\n",
-    ) as gw:
-        yield gw
+    """Simulator + gateway; keys for acme, beta, carol, tight (1 request a minute) and a JWT key;
+    a launcher status file as `qwen38-engine serve` writes it."""
+    status_dir = Path(tempfile.mkdtemp(prefix="q38s-", dir="/tmp"))
+    status = status_dir / "engine.status.json"
+    StatusFile(str(status), 1800).update(state="ready")
+    try:
+        with running_stack(
+            {"tenants": {"tight": {"rpm": 1}}, "engine": {"launcher_status_file": str(status)}},
+            keys=MODULE_KEYS,
+            keys_extra=f"JWT_obs=hs256:{JWT_SECRET_TEXT}\n",
+        ) as gw:
+            yield gw
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------ helpers
