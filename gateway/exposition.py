@@ -18,8 +18,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from gateway.state import LIVE, METRICS, UPSTREAM
 from gateway.launcher_status import LauncherStatusCollector
+from gateway.state import LIVE, METRICS, UPSTREAM
 
 log = structlog.get_logger("gateway.metrics")
 ENGINE_PREFIX = "vllm:"
