@@ -25,10 +25,19 @@ from gateway.handlers import get_model, health, list_models, ready, usage
 from gateway.keys_file import load_keys_file
 from gateway.limiter import create_rate_limiter
 from gateway.logs import set_level
+from gateway.messages_api import ANTHROPIC, count_tokens
 from gateway.metrics import Metrics
 from gateway.middleware import auth_middleware, context_middleware, error_middleware
 from gateway.proxy import model_handler, record_call
 from gateway.reload import Reloader
+from gateway.responses_api import (
+    STORE,
+    cancel_response,
+    delete_response,
+    get_response,
+    make_store,
+    responses_dialect,
+)
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
@@ -123,9 +132,24 @@ def create_app(
     app.cleanup_ctx.append(_accounting_ctx)
     app.cleanup_ctx.append(_reloader_ctx)
 
-    for route, dialect in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETIONS)):
+    app[STORE] = make_store(settings, clock)
+    responses = responses_dialect(app[STORE])
+    for route, dialect in (
+        ("/v1/chat/completions", CHAT),
+        ("/v1/completions", COMPLETIONS),
+        ("/v1/messages", ANTHROPIC),
+        ("/v1/responses", responses),
+    ):
         app.router.add_post(route, model_handler(dialect))
         app[DIALECTS][route] = dialect
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app[DIALECTS]["/v1/messages/count_tokens"] = ANTHROPIC
+    stored = "/v1/responses/{response_id}"
+    app.router.add_get(stored, get_response, allow_head=False)
+    app.router.add_delete(stored, delete_response)
+    app.router.add_post(stored + "/cancel", cancel_response)
+    app[DIALECTS][stored] = responses
+    app[DIALECTS][stored + "/cancel"] = responses
     app.router.add_get("/v1/models", list_models, allow_head=False)
     app.router.add_get("/v1/models/{id}", get_model, allow_head=False)
     app.router.add_get("/v1/usage", usage, allow_head=False)

@@ -74,15 +74,24 @@ class Dialect:
             new, given the request's settings.
         error_body: an error as the body of a JSON error response.
         error_event: an error as the final event of a stream whose headers went out.
+        adapt_error: the error with this API's status and headers (Anthropic answers an
+            unavailable engine with 529); identity for OpenAI's APIs.
+        keepalive: bytes sent while the engine is silent before its first event (prefill), or
+            None for none (OpenAI's APIs: the engine's own timing shows).
+        api_key_header: a header that may carry the API key instead of ``Authorization``
+            (Anthropic's ``x-api-key``), or None.
     """
 
     name: str
     engine_path: str
     plan: Callable[[PlanInput], RequestPlan]
     stream_relay: Callable[[Settings, RequestPlan], StreamRelay]
-    json_answer: Callable[[dict[str, Any], Settings], dict[str, Any]]
+    json_answer: Callable[[dict[str, Any], Settings, RequestPlan], dict[str, Any]]
     error_body: Callable[[GatewayError], bytes]
     error_event: Callable[[GatewayError], bytes]
+    adapt_error: Callable[[GatewayError], GatewayError] = lambda error: error
+    keepalive: bytes | None = None
+    api_key_header: str | None = None
 
 
 def _openai_planner(kind: Kind) -> Callable[[PlanInput], RequestPlan]:
@@ -108,7 +117,7 @@ def _openai_relay(settings: Settings, plan: RequestPlan) -> StreamRelay:
     )
 
 
-def _openai_json(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
+def _openai_json(body: dict[str, Any], settings: Settings, plan: RequestPlan) -> dict[str, Any]:
     return rewrite_completion_body(body, settings.model.alias)
 
 

@@ -26,6 +26,11 @@ QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 3
 ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/v1/responses/{response_id}",
+    "/v1/responses/{response_id}/cancel",
     "/v1/models",
     "/v1/models/{id}",
     "/v1/usage",

@@ -153,6 +153,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         events.exception("unhandled_error")
         error = GatewayError("Internal server error.")
         context.reason = "internal"
+    error = context.dialect.adapt_error(error)
     return web.Response(
         status=error.status,
         body=context.dialect.error_body(error),
@@ -189,7 +190,11 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     context = request[CONTEXT]
     live = context.live
     try:
-        principal = live.auth.authenticate(request.headers.get("Authorization"))
+        authorization = request.headers.get("Authorization")
+        key_header = context.dialect.api_key_header
+        if authorization is None and key_header is not None and key_header in request.headers:
+            authorization = "Bearer " + request.headers[key_header]
+        principal = live.auth.authenticate(authorization)
     except GatewayError as exc:
         request.app[METRICS].auth_failures.labels(exc.reason).inc()
         raise

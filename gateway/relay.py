@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -43,13 +44,14 @@ class ClientStream:
         call: the model call (its snapshot gives the write timeout, its dialect the error shape).
     """
 
-    __slots__ = ("_call", "_request", "_timeout", "response")
+    __slots__ = ("_call", "_request", "_timeout", "relay", "response")
 
     def __init__(self, request: web.Request, call: ModelCall) -> None:
         self._request = request
         self._call = call
         self._timeout = call.settings.server.client_write_timeout_s
         self.response: web.StreamResponse | None = None
+        self.relay: object | None = None  # the stream relay, once the engine answered
 
     async def start(self) -> web.StreamResponse:
         """Send the SSE headers once: no proxy buffering, no compression (case C01)."""
@@ -96,8 +98,10 @@ class ClientStream:
         context.status = error.status
         context.reason = context.reason or error.reason
         response = self.response or await self.start()
+        render = getattr(self.relay, "error_event", None)  # a relay that knows what was sent
+        event = render(error) if render is not None else self._call.dialect.error_event(error)
         try:
-            await response.write(self._call.dialect.error_event(error))
+            await response.write(event)
             await response.write_eof()
         except ConnectionResetError:
             pass
@@ -131,12 +135,25 @@ async def relay_stream(
     clock = request.app[CLOCK]
     context = call.context
     relay = call.dialect.stream_relay(call.settings, call.plan)
+    stream.relay = relay
     state = relay.state
     failure: GatewayError | None = None
+    keepalive = call.dialect.keepalive
     try:
         await stream.start()
         try:
-            async for data in answer:
+            if keepalive is not None:
+                opening = getattr(relay, "start", None)
+                if opening is not None:
+                    await stream.send(opening())
+                first = await _first_read(answer, stream, keepalive)
+                if first is not None:
+                    answer_reads: Any = _prepend(first, answer)
+                else:
+                    answer_reads = answer
+            else:
+                answer_reads = answer
+            async for data in answer_reads:
                 out = relay.feed(data)
                 if out:
                     if call.ttft_s is None and state.events:
@@ -167,12 +184,48 @@ async def relay_stream(
             usage.reasoning_tokens = state.usage.reasoning_tokens
 
 
+KEEPALIVE_EVERY_S = 5.0
+
+
+async def _first_read(
+    answer: UpstreamAnswer, stream: ClientStream, keepalive: bytes
+) -> bytes | None:
+    """The engine's first read, sending ``keepalive`` every `KEEPALIVE_EVERY_S` seconds while
+    it is silent (prefill of a long prompt takes minutes); None at the end of the body.
+
+    Raises:
+        UpstreamError: the engine failed before its first byte.
+        ConnectionResetError: the client went away meanwhile.
+    """
+    pending = asyncio.ensure_future(answer.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_EVERY_S)
+            if done:
+                break
+            await stream.send(keepalive)
+        try:
+            return pending.result()
+        except StopAsyncIteration:
+            return None
+    finally:
+        if not pending.done():
+            pending.cancel()
+
+
+async def _prepend(first: bytes, answer: UpstreamAnswer) -> AsyncIterator[bytes]:
+    yield first
+    async for data in answer:
+        yield data
+
+
 async def relay_json(call: ModelCall, answer: UpstreamAnswer) -> web.Response:
     """Read the whole engine answer, rewrite it in the call's dialect, count its usage.
 
     Raises:
         UpstreamError: the engine failed while answering, or the answer is not a JSON object.
     """
+    assert call.plan is not None, "the call is planned before the engine is called"
     raw = await answer.body()
     try:
         body = json.loads(raw)
@@ -187,7 +240,7 @@ async def relay_json(call: ModelCall, answer: UpstreamAnswer) -> web.Response:
         details = usage.get("completion_tokens_details")
         if isinstance(details, dict):
             call.usage.reasoning_tokens = _count(details.get("reasoning_tokens"))
-    answer_body = call.dialect.json_answer(body, call.settings)
+    answer_body = call.dialect.json_answer(body, call.settings, call.plan)
     return web.Response(
         body=json.dumps(answer_body, ensure_ascii=False, separators=(",", ":")).encode(),
         content_type="application/json",

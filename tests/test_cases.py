@@ -416,7 +416,7 @@ def test_c10b_non_stream_disconnect_aborts_engine(stack: Gateway) -> None:
 ENGINE_ROUTES = [
     "/invocations", "/tokenize", "/detokenize", "/pause", "/sleep", "/wake_up",
     "/reset_prefix_cache", "/collective_rpc", "/scale_elastic_ep", "/generative_scoring",
-    "/server_info", "/start_profile", "/v1/load_lora_adapter", "/v1/responses", "/v1/messages",
+    "/server_info", "/start_profile", "/v1/load_lora_adapter", "/v1/messages/batches", "/v1/responses/resp_1/input_items",
     "/inference/v1/generate", "/docs", "/openapi.json", "/version", "/metrics",
     "/v1//chat/completions", "/v1/chat/completions/render", "/V1/chat/completions", "/ping",
 ]  # fmt: skip
@@ -433,6 +433,20 @@ def test_c14_engine_routes_never_forwarded(stack: Gateway) -> None:
             r = httpx.request(method, stack.url(path), json={}, headers=AUTH)
             assert r.status_code == 404, (method, path, r.status_code)
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert len(stack.sim.model_records()) == before
+
+
+def test_c14_dialect_routes_are_served_not_forwarded(stack: Gateway) -> None:
+    """C14: /v1/messages and /v1/responses are the gateway's own routes (401 without a key, a
+    400 in their API's shape for an empty body); the engine only ever sees its chat route."""
+    assert stack.sim is not None
+    before = len(stack.sim.model_records())
+    for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses"):
+        assert httpx.post(stack.url(path), json={}).status_code == 401
+        r = httpx.post(stack.url(path), json={}, headers=AUTH)
+        assert r.status_code == 400, (path, r.status_code)
+        assert (r.json()["type"] == "error") if "messages" in path else ("error" in r.json())
+        assert httpx.get(stack.url(path), headers=AUTH).status_code == 405
     assert len(stack.sim.model_records()) == before
 
 

@@ -7,6 +7,7 @@ handler at once (section 6).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import uuid
@@ -98,6 +99,13 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     if early is not None:
         return early
     spec = parse_chat(body, options)
+    messages = body.get("messages") or [{}]
+    if (
+        behaviour.tool_call
+        and isinstance(messages[-1], dict)
+        and messages[-1].get("role") == "tool"
+    ):
+        behaviour = dataclasses.replace(behaviour, tool_call=None)  # the round trip is done
     request_id = "chatcmpl-" + _request_id(request, body)
     created = int(time.time())
     answers = [

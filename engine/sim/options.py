@@ -69,6 +69,13 @@ class Behaviour:
         default=False,
         metadata=_opt("answer with two parallel tool calls (finish_reason tool_calls)"),
     )
+    tool_call: str | None = field(
+        default=None,
+        metadata=_opt(
+            "answer with one call 'NAME {JSON arguments}' unless the last message is a tool "
+            "result (then the text answer): one tool round trip for real agent clients"
+        ),
+    )
     reasoning_field: ReasoningField = field(
         default="reasoning",
         metadata=_opt("name of the reasoning field: vLLM >= 0.16 sends `reasoning` only"),

@@ -31,6 +31,7 @@ import re
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine.sim.options import Behaviour
 
@@ -170,9 +171,21 @@ def _pad(texts: Iterable[str], size: int) -> list[str]:
     return [t + PAD * max(0, size - len(t.encode("utf-8"))) for t in texts]
 
 
-def _tool_tokens(stream: bool) -> list[Token]:
+def _one_call(spec: str) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The `tool_call` behaviour ``NAME {JSON arguments}`` as a call list (bad JSON: no args)."""
+    name, _, raw = spec.strip().partition(" ")
+    try:
+        arguments = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        arguments = {}
+    return ((name, arguments if isinstance(arguments, dict) else {}),)
+
+
+def _tool_tokens(
+    stream: bool, calls: tuple[tuple[str, dict[str, Any]], ...] = TOOL_CALLS
+) -> list[Token]:
     tokens: list[Token] = []
-    for index, (name, arguments) in enumerate(TOOL_CALLS):
+    for index, (name, arguments) in enumerate(calls):
         call_id = f"call_{uuid.uuid4().hex[:24]}" if stream else f"chatcmpl-tool-{uuid.uuid4().hex}"
         tokens.append(Token(Kind.TOOL_HEADER, "", index, call_id, name))
         encoded = json.dumps(arguments, ensure_ascii=False)
@@ -214,8 +227,9 @@ def chat_answer(
             ]
         body += [Token(Kind.REASONING, t) for t in _pad(reasoning, behaviour.token_bytes)]
         body.append(Token(Kind.THINK_END, "</think>"))
-    if behaviour.tool_calls:
-        body += _tool_tokens(stream)
+    if behaviour.tool_calls or behaviour.tool_call:
+        calls = _one_call(behaviour.tool_call) if behaviour.tool_call else TOOL_CALLS
+        body += _tool_tokens(stream, calls)
         return _finish(body, max_tokens, tools=True)
     if thinking:
         body.append(Token(Kind.CONTENT, "\n\n"))

@@ -83,7 +83,7 @@ def translate_messages(body: Any, *, max_model_len: int, count_only: bool = Fals
                 system_parts.append(text)
             continue
         seen_turn = True
-        if role == "user":
+        if role in ("user", "ctx", "msg"):  # Claude Code 2.1.154+ also sent "ctx" and "msg"
             out.extend(_user_messages(message.get("content"), where))
         elif role == "assistant":
             out.append(_assistant_message(message.get("content"), where))

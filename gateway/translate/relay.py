@@ -48,15 +48,11 @@ class TranslatingRelay:
         self, inner: SseRelay, writer: Writer, fail: FailRenderer, keepalive: bytes
     ) -> None:
         self.inner = inner
+        self.state: RelayState = inner.state  # the chat relay's observations (accounting)
         self.writer = writer
         self._fail = fail
         self.keepalive = keepalive
         self._reader = ChunkReader()
-
-    @property
-    def state(self) -> RelayState:
-        """The chat relay's observations (events, usage, ``[DONE]``, error)."""
-        return self.inner.state
 
     @property
     def clean_end(self) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gateway.translate.chat_events import (
@@ -46,6 +46,7 @@ class ResponsesWriter:
         extra: `Translated.extra` of the request (echoed fields, tool namespaces).
         stream: produce SSE bytes; False only accumulates the final response.
         response_id: the id to use (a fresh ``resp_`` id when None).
+        on_end: called once with the writer when the answer is complete (to store it).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class ResponsesWriter:
         *,
         stream: bool = True,
         response_id: str | None = None,
+        on_end: Callable[[ResponsesWriter], None] | None = None,
     ) -> None:
         self.response_id = response_id or new_id("resp_")
         self.model = model
@@ -65,7 +67,8 @@ class ResponsesWriter:
         self.started = False
         self.ended = False
         self.status = "in_progress"
-        self._extra = extra
+        self.extra = extra
+        self._on_end = on_end
         self._namespaces: dict[str, str] = extra.get("namespaces") or {}
         self._seq = 0
         self._open: str | None = None
@@ -284,6 +287,8 @@ class ResponsesWriter:
         self._conclude()
         self.ended = True
         name = "response.completed" if self.status == "completed" else "response.incomplete"
+        if self._on_end is not None:
+            self._on_end(self)
         return out + self._emit(name, {"response": self.response()})
 
     def fail(self, code: str, message: str) -> bytes:
@@ -297,7 +302,7 @@ class ResponsesWriter:
     def response(self) -> dict[str, Any]:
         """The ``Response`` object as of now (final after `finish`; for a non-streamed answer
         call `finalize` first)."""
-        extra = self._extra
+        extra = self.extra
         incomplete = None
         if self.status == "incomplete":
             incomplete = {"reason": "max_output_tokens"}
@@ -330,6 +335,8 @@ class ResponsesWriter:
         """The final ``Response`` of a non-streamed answer (after `feed`)."""
         self._conclude()
         self.ended = True
+        if self._on_end is not None:
+            self._on_end(self)
         return self.response()
 
     def output_text(self) -> str:

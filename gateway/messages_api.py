@@ -1,0 +1,178 @@
+"""The Anthropic Messages API on the model path: the ``ANTHROPIC`` dialect and ``count_tokens``.
+
+``POST /v1/messages`` is a `gateway.dialects.Dialect` like chat: its body is translated onto the
+engine's chat route (`gateway.translate.anthropic_request`) and then planned by the same
+`gateway.rewrite.plan_request` (alias, thinking policy, sampling, ``cache_salt``, request id,
+reservation from its own ``max_tokens``), and its answer is translated back
+(`gateway.translate.anthropic_stream`); errors use Anthropic's envelope and types.
+
+``POST /v1/messages/count_tokens`` renders nothing on the engine's GPU: it asks the engine's
+``/tokenize`` (the chat form, with the same translated messages and tools and the tenant's
+thinking mode) for the prompt's exact token count. That takes no engine sequence slot and no
+admission ticket; it counts as one request against the tenant's requests-per-minute limit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from gateway.body import parse_body, read_body
+from gateway.config import Settings
+from gateway.dialects import Dialect, PlanInput
+from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
+from gateway.rewrite import RequestPlan, plan_request, resolve_thinking
+from gateway.sse import SseRelay
+from gateway.state import CONTEXT, ENGINE_STATE, LIMITER, UPSTREAM
+from gateway.translate.anthropic_errors import anthropic_error, anthropic_error_bytes
+from gateway.translate.anthropic_request import translate_messages
+from gateway.translate.anthropic_stream import PING_EVENT, AnthropicWriter, sse
+from gateway.translate.chat_events import answer_events
+from gateway.translate.common import Translated
+from gateway.translate.relay import TranslatingRelay, Writer
+
+events = structlog.get_logger("gateway")
+
+
+@dataclass(frozen=True)
+class TranslatedPlan(RequestPlan):
+    """A `RequestPlan` that remembers the dialect request it came from (`Translated`)."""
+
+    translated: Translated | None = None
+
+
+def plan_translated(given: PlanInput, translated: Translated) -> TranslatedPlan:
+    """Plan the chat body of a translated request exactly as a chat request is planned."""
+    if translated.dropped_tools:
+        events.info("tools_dropped", tools=translated.dropped_tools[:20])
+    base = plan_request(
+        translated.chat,
+        "chat",
+        settings=given.settings,
+        tenant=given.tenant,
+        request_id=given.request_id,
+        salt_secret=given.salt_secret,
+    )
+    values = {f.name: getattr(base, f.name) for f in fields(RequestPlan)}
+    return TranslatedPlan(**values, translated=translated)
+
+
+def _plan(given: PlanInput) -> RequestPlan:
+    translated = translate_messages(given.body, max_model_len=given.settings.engine.max_model_len)
+    return plan_translated(given, translated)
+
+
+def _stops(plan: RequestPlan) -> list[str]:
+    translated = plan.translated if isinstance(plan, TranslatedPlan) else None
+    stops = translated.chat.get("stop") if translated is not None else None
+    return list(stops) if isinstance(stops, list) else []
+
+
+def _fail(writer: Writer, error: GatewayError) -> bytes:
+    _, body, _ = anthropic_error(error)
+    assert isinstance(writer, AnthropicWriter)
+    return writer.error(body["error"]["type"], body["error"]["message"])
+
+
+def _relay(settings: Settings, plan: RequestPlan) -> TranslatingRelay:
+    inner = SseRelay(settings.engine.model, settings.model.alias, client_wants_usage=True)
+    writer = AnthropicWriter(
+        settings.model.alias, input_estimate=plan.prompt_estimate, stops=_stops(plan)
+    )
+    return TranslatingRelay(inner, writer, _fail, PING_EVENT)
+
+
+def _json(body: dict[str, Any], settings: Settings, plan: RequestPlan) -> dict[str, Any]:
+    writer = AnthropicWriter(
+        settings.model.alias, input_estimate=plan.prompt_estimate, stops=_stops(plan), stream=False
+    )
+    writer.feed(answer_events(body))
+    return writer.message()
+
+
+def _error_event(error: GatewayError) -> bytes:
+    _, body, _ = anthropic_error(error)
+    return sse("error", body)
+
+
+def _adapt(error: GatewayError) -> GatewayError:
+    """The error with Anthropic's status (529 for an unavailable engine) and headers."""
+    status, body, headers = anthropic_error(error)
+    adapted = GatewayError(
+        body["error"]["message"], param=error.param, headers=headers, reason=error.reason
+    )
+    adapted.status = status
+    return adapted
+
+
+ANTHROPIC = Dialect(
+    name="messages",
+    engine_path="/v1/chat/completions",
+    plan=_plan,
+    stream_relay=_relay,
+    json_answer=_json,
+    error_body=anthropic_error_bytes,
+    error_event=_error_event,
+    adapt_error=_adapt,
+    keepalive=PING_EVENT,
+    api_key_header="x-api-key",
+)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the engine's exact count.
+
+    Raises:
+        BadRequest: the body is not a valid count request (Anthropic's fields, see
+            `translate_messages`).
+        NotFound: the model is neither the alias nor an accepted name.
+        RateLimited: the tenant's requests-per-minute limit.
+        EngineUnavailable, UpstreamError: the engine cannot count now.
+    """
+    app = request.app
+    context = request[CONTEXT]
+    caller = context.caller
+    assert caller is not None, "authentication runs first"
+    settings = context.live.settings
+    raw = await read_body(request, settings.server.max_body_bytes, settings.server.body_timeout_s)
+    translated = translate_messages(
+        parse_body(raw), max_model_len=settings.engine.max_model_len, count_only=True
+    )
+    model = translated.chat.get("model")
+    if not isinstance(model, str) or not settings.model.accepts(model):
+        raise ModelNotFound(str(model))
+    thinking = resolve_thinking(translated.chat, settings, caller.tenant)
+    state = app[ENGINE_STATE]
+    if not state.ready:
+        raise state.unavailable()
+    limiter = app[LIMITER]
+    reservation = await limiter.reserve(caller.tenant, 0)
+    try:
+        body: dict[str, Any] = {
+            "model": settings.engine.model,
+            "messages": translated.chat["messages"],
+            "add_generation_prompt": True,
+            "chat_template_kwargs": {"enable_thinking": thinking},
+        }
+        if translated.chat.get("tools"):
+            body["tools"] = translated.chat["tools"]
+        answer = await app[UPSTREAM].post(
+            "/tokenize", json.dumps(body, ensure_ascii=False).encode(), context.request_id
+        )
+        if answer.status != 200:
+            raise await answer.error()
+        raw_answer = await answer.body()
+        answer.release()
+        try:
+            count = json.loads(raw_answer)["count"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise answer.failed(EngineBadResponse(), exc) from exc
+        if not isinstance(count, int):
+            raise answer.failed(EngineBadResponse())
+    finally:
+        await limiter.settle(reservation, 0)
+    return web.json_response({"input_tokens": count}, headers=reservation.headers)

@@ -1,0 +1,163 @@
+"""The OpenAI Responses API on the model path: the ``responses`` dialect and stored responses.
+
+``POST /v1/responses`` is a `gateway.dialects.Dialect` like chat: its body is translated onto
+the engine's chat route (`gateway.translate.responses_request`), planned by the same
+`gateway.rewrite.plan_request` (reservation from ``max_output_tokens``, else the tenant's cap)
+and its answer translated back (`gateway.translate.responses_stream`). Errors keep OpenAI's
+envelope with string codes (`gateway.translate.responses_errors`).
+
+Stored responses (``[responses] store``, off by default): a request with ``store`` not false is
+kept in a `ResponseStore` once complete; ``GET /v1/responses/{id}``, ``DELETE`` and
+``previous_response_id`` see only the creating tenant's responses (another tenant gets 404);
+``POST /v1/responses/{id}/cancel`` answers 400, as OpenAI does for a response that was not
+created with ``background`` (which this server does not run). With the store off,
+``previous_response_id`` is a 400 and the retrieval routes answer 404.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from gateway.config import Settings
+from gateway.dialects import Dialect, PlanInput
+from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.messages_api import TranslatedPlan, plan_translated
+from gateway.rewrite import RequestPlan
+from gateway.sse import SseRelay
+from gateway.state import CONTEXT
+from gateway.translate.chat_events import answer_events
+from gateway.translate.relay import TranslatingRelay, Writer
+from gateway.translate.responses_errors import failure_code, responses_error_bytes
+from gateway.translate.responses_request import translate_responses
+from gateway.translate.responses_store import ResponseStore
+from gateway.translate.responses_stream import KEEPALIVE_COMMENT, ResponsesWriter
+
+STORE = web.AppKey("responses_store", ResponseStore)
+
+
+def _not_found(response_id: str) -> NotFound:
+    shown = response_id[:100] if not response_id.startswith(("sk-", "eyJ")) else "<redacted>"
+    return NotFound(f"Response with id '{shown}' not found.", param="response_id")
+
+
+def make_store(settings: Settings, clock: Any) -> ResponseStore:
+    """The app's store, sized by ``[responses]``."""
+    config = settings.responses
+    return ResponseStore(config.store_max_items, config.store_max_bytes, config.store_ttl_s, clock)
+
+
+def responses_dialect(store: ResponseStore) -> Dialect:
+    """The ``responses`` dialect, storing into ``store`` when the operator enabled storing."""
+
+    def plan(given: PlanInput) -> RequestPlan:
+        body = given.body
+        history = None
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if previous is not None:
+            if not given.settings.responses.store:
+                raise BadRequest(
+                    "'previous_response_id' needs stored responses, which are off on this "
+                    "server; send the whole conversation in 'input'.",
+                    param="previous_response_id",
+                )
+            if not isinstance(previous, str):
+                raise BadRequest(
+                    "'previous_response_id' must be a string.", param="previous_response_id"
+                )
+            history = store.history(given.tenant.name, previous)
+            if history is None:
+                raise _not_found(previous)
+        translated = translate_responses(
+            body, max_model_len=given.settings.engine.max_model_len, history=history
+        )
+        stored = given.settings.responses.store and translated.extra.get("store", True)
+        translated.extra["stored"] = stored
+        translated.extra["tenant"] = given.tenant.name
+        translated.extra["input_items"] = [*(history or []), *_input_items(body)] if stored else []
+        return plan_translated(given, translated)
+
+    def keep(writer: ResponsesWriter) -> None:
+        extra = writer.extra
+        if extra.get("stored") and writer.status in ("completed", "incomplete"):
+            store.put(extra["tenant"], writer.response(), extra["input_items"])
+
+    def fail(writer: Writer, error: GatewayError) -> bytes:
+        assert isinstance(writer, ResponsesWriter)
+        return writer.fail(failure_code(error), error.message)
+
+    def relay(settings: Settings, plan: RequestPlan) -> TranslatingRelay:
+        inner = SseRelay(settings.engine.model, settings.model.alias, client_wants_usage=True)
+        writer = ResponsesWriter(settings.model.alias, _extra(plan), on_end=keep)
+        return TranslatingRelay(inner, writer, fail, KEEPALIVE_COMMENT)
+
+    def json_answer(body: dict[str, Any], settings: Settings, plan: RequestPlan) -> dict[str, Any]:
+        writer = ResponsesWriter(settings.model.alias, _extra(plan), stream=False, on_end=keep)
+        writer.feed(answer_events(body))
+        return writer.finalize()
+
+    def error_event(error: GatewayError) -> bytes:
+        return ResponsesWriter("", {}).fail(failure_code(error), error.message)
+
+    return Dialect(
+        name="responses",
+        engine_path="/v1/chat/completions",
+        plan=plan,
+        stream_relay=relay,
+        json_answer=json_answer,
+        error_body=responses_error_bytes,
+        error_event=error_event,
+        keepalive=KEEPALIVE_COMMENT,
+    )
+
+
+def _extra(plan: RequestPlan) -> dict[str, Any]:
+    translated = plan.translated if isinstance(plan, TranslatedPlan) else None
+    return translated.extra if translated is not None else {}
+
+
+def _input_items(body: Any) -> list[Any]:
+    raw = body.get("input") if isinstance(body, dict) else None
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    return list(raw) if isinstance(raw, list) else []
+
+
+def _tenant_and_store(request: web.Request) -> tuple[str, ResponseStore]:
+    context = request[CONTEXT]
+    assert context.caller is not None, "authentication runs first"
+    if not context.live.settings.responses.store:
+        raise _not_found(request.match_info["response_id"])
+    return context.caller.tenant.name, request.app[STORE]
+
+
+async def get_response(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{response_id}``: the caller's stored response, else 404."""
+    tenant, store = _tenant_and_store(request)
+    response_id = request.match_info["response_id"]
+    entry = store.get(tenant, response_id)
+    if entry is None:
+        raise _not_found(response_id)
+    return web.json_response(entry.response)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """``DELETE /v1/responses/{response_id}``: forget the caller's stored response, else 404."""
+    tenant, store = _tenant_and_store(request)
+    response_id = request.match_info["response_id"]
+    if not store.delete(tenant, response_id):
+        raise _not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    """``POST /v1/responses/{response_id}/cancel``: 404 unless the caller's; else 400, since
+    only ``background`` responses can be cancelled (OpenAI API reference) and none run here."""
+    tenant, store = _tenant_and_store(request)
+    response_id = request.match_info["response_id"]
+    if store.get(tenant, response_id) is None:
+        raise _not_found(response_id)
+    raise BadRequest(
+        "Only responses created with background=true can be cancelled.", param="response_id"
+    )
