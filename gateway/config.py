@@ -128,7 +128,7 @@ class EngineSettings:
 class ModelSettings:
     """``[model]``: the public model id clients send and see.
 
-    ``accepted`` lists further names a request may carry in ``model`` (agent clients such as
+    ``accepted`` lists further names a request may carry in ``model`` (coding clients such as
     Claude Code and Codex send whatever name their user configured); ``"*"`` accepts any name.
     Answers always show ``alias``.
     """
@@ -145,7 +145,7 @@ class ModelSettings:
 class ResponsesSettings:
     """``[responses]``: stored responses of ``/v1/responses`` (``store: true``).
 
-    Off by default: Codex and most agent clients send ``store: false`` and the whole history.
+    Off by default: Codex and most coding clients send ``store: false`` and the whole history.
     When on, responses are kept in this process's memory only (not shared by replicas, lost at
     restart), at most ``store_max_items`` of them and ``store_max_bytes`` of JSON, each for
     ``store_ttl_s`` seconds, visible only to the tenant that created them.

@@ -73,7 +73,7 @@ class Behaviour:
         default=None,
         metadata=_opt(
             "answer with one call 'NAME {JSON arguments}' unless the last message is a tool "
-            "result (then the text answer): one tool round trip for real agent clients"
+            "result (then the text answer): one tool round trip for real coding clients"
         ),
     )
     reasoning_field: ReasoningField = field(

@@ -48,7 +48,7 @@ def clamp_output(chat: dict[str, Any], requested: int | None, max_model_len: int
 
     The engine answers 400 to any request whose output budget exceeds ``max_model_len``, and
     older vLLM also to prompt + budget over the context (vLLM docs, "OpenAI-Compatible Server",
-    ``max_tokens``); agent clients send a fixed budget (Claude Code always 32,000) regardless of
+    ``max_tokens``); coding clients send a fixed budget (Claude Code always 32,000) regardless of
     the context, so the gateway clamps instead of failing every request. The prompt size is the
     gateway's over-estimate (`gateway.rewrite.estimate_prompt_tokens`), so the clamp errs small.
     With no budget requested, nothing is set: the tenant's cap applies in `plan_request`.
