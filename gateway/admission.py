@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from enum import Enum
 
@@ -19,9 +19,10 @@ DEFAULT_SERVICE_S = 30.0
 """Assumed engine time per request until one has been measured: about 900 tokens at the ~30
 tokens/s one V100 generates."""
 
-# Cancelled waiters stay in the heap until popped; past this many dead entries (and more dead than
-# live) the heap is rebuilt, so a storm of cancellations cannot grow it without bound.
-_HEAP_SLACK = 64
+# Cancelled waiters stay in their tenant's line until they reach its head; past this many dead
+# entries (and more dead than live) the line is rebuilt, so a storm of cancellations cannot grow
+# it without bound.
+_LINE_SLACK = 64
 
 
 class _State(Enum):
@@ -37,7 +38,8 @@ class Ticket:
     """
 
     __slots__ = (
-        "_future",
+        "_alarm",
+        "_error",
         "_queue",
         "_state",
         "behind_own",
@@ -45,7 +47,8 @@ class Ticket:
         "enqueued_at",
         "granted_at",
         "label",
-        "tag",
+        "seq",
+        "start",
         "tenant",
         "weight",
     )
@@ -58,15 +61,18 @@ class Ticket:
         weight: float,
         cost: int,
         enqueued_at: float,
+        seq: int,
     ) -> None:
         self._queue = queue
         self._state = _State.WAITING
-        self._future: asyncio.Future[None] | None = None
+        self._alarm: asyncio.Future[None] | None = None
+        self._error: GatewayError | None = None
         self.tenant = tenant
         self.label = label
         self.weight = weight
         self.cost = cost
-        self.tag = 0.0
+        self.seq = seq
+        self.start = 0.0
         self.behind_own = False
         self.enqueued_at = enqueued_at
         self.granted_at: float | None = None
@@ -107,11 +113,16 @@ class Ticket:
         if self._state is _State.DONE:
             raise RuntimeError("ticket already released")
         queue = self._queue
-        future = self._future
-        assert future is not None
+        loop = asyncio.get_running_loop()
         start = queue.clock()
         try:
             while True:
+                if self._state is _State.GRANTED:
+                    return True
+                if self._state is _State.DONE:
+                    if self._error is not None:
+                        raise self._error  # the queue was closed by `close`
+                    raise RuntimeError("ticket released while waiting")
                 now = queue.clock()
                 remaining = self.enqueued_at + queue.queue_timeout_s - now
                 if remaining <= 0:
@@ -122,39 +133,75 @@ class Ticket:
                     if left <= 0:
                         return False
                     timeout = min(timeout, left)
-                await asyncio.wait(
-                    (future, queue._reloaded()),
-                    timeout=timeout,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                if future.done():
-                    if future.cancelled():
-                        raise RuntimeError("ticket released while waiting")
-                    future.result()  # raises the error of a queue closed by `close`
-                    return True
+                # One future per wait, rung by the grant itself (the task resumes on the next
+                # turn of the loop), by a reload, a release from elsewhere, or this timer.
+                alarm = self._alarm = loop.create_future()
+                timer = loop.call_later(timeout, _ring, alarm)
+                try:
+                    await alarm
+                finally:
+                    timer.cancel()
+                    self._alarm = None
         except asyncio.CancelledError:
             self.release()
             raise
 
-    def release(self) -> None:
-        """Give the place or slot back and grant the next ticket; idempotent, never raises."""
+    def _ring(self) -> None:
+        """Wake the task waiting on this ticket, if any."""
+        if self._alarm is not None:
+            _ring(self._alarm)
+
+    def release(self, used: int | None = None) -> None:
+        """Give the place or slot back and grant the next ticket; idempotent, never raises.
+
+        Args:
+            used: tokens the request actually cost at the engine (prompt plus completion; 0 if
+                it never reached it); the tenant's share is charged this instead of the
+                reservation. None keeps the reservation as the charge.
+        """
         state = self._state
         self._state = _State.DONE
         if state is _State.WAITING:
             self._queue._forget(self)
         elif state is _State.GRANTED:
-            self._queue._finish(self)
+            self._queue._finish(self, used)
+
+
+def _ring(alarm: asyncio.Future[None]) -> None:
+    if not alarm.done():
+        alarm.set_result(None)
+
+
+class _Tenant:
+    """A tenant's waiters (first come, first served) and its virtual finish time ``finish``:
+    the weighted tokens it was charged since the queue was last idle, lifted to the virtual
+    time whenever it starts waiting anew."""
+
+    __slots__ = ("finish", "live", "waiters", "weight")
+
+    def __init__(self, weight: float) -> None:
+        self.waiters: deque[Ticket] = deque()
+        self.live = 0
+        self.weight = weight
+        self.finish = 0.0
 
 
 class AdmissionQueue:
     """Weighted fair admission to an engine that runs ``max_concurrency`` requests at once.
 
-    A request is granted at once while a slot is free and nobody waits. Otherwise it waits, and
-    slots go to waiters by self-clocked weighted fair queueing (Golestani, 1994) on tokens: a
-    ticket's tag is ``max(virtual time, the tenant's previous tag) + cost / weight``, the smallest
-    tag is granted next, and virtual time becomes its tag. A tenant's tags only grow, so its own
-    requests stay in order; a tenant of 8k-token requests gets the same tokens per unit of weight
-    as one of 100-token requests, so it cannot crowd the other out.
+    A request is granted at once while a slot is free and nobody waits. Otherwise it waits in
+    its tenant's first-come-first-served line, and a freed slot goes to the head of the line of
+    the waiting tenant with the smallest virtual finish time (start-time fair queueing: Goyal,
+    Vin and Cheng, "Start-time Fair Queueing", SIGCOMM 1996), ties to the earliest arrival.
+    Granting charges the tenant ``cost / weight`` (its token reservation); when the request
+    ends the charge is corrected to the tokens it actually used (prompt plus completion), as the
+    virtual token counter of Sheng et al., "Fairness in Serving Large Language Models" (OSDI
+    2024) counts served tokens. So a tenant of 8k-token answers gets the same tokens per unit of
+    weight as one of 100-token answers, and a tenant that sets no ``max_tokens`` (reserving the
+    whole default budget) is not pushed back for tokens it never uses. A tenant that starts
+    waiting is lifted to the virtual time (the start of the latest grant), so idling banks no
+    credit, and a short request arriving behind another tenant's backlog is served right after
+    the request running now. Choosing the next tenant scans the waiting tenants: a handful.
 
     Args:
         max_concurrency: requests at the engine at once (``engine.max_concurrency``).
@@ -181,15 +228,14 @@ class AdmissionQueue:
         self._metrics = metrics
         self._in_flight = 0
         self._depth = 0
-        self._heap: list[tuple[float, int, Ticket]] = []
         self._seq = itertools.count()
         self._vtime = 0.0
-        self._last_tag: dict[str, float] = {}
-        # tenant -> [tickets waiting, weight]; only tenants with waiters; and their total weight.
-        self._waiting: dict[str, list[float]] = {}
+        # Every tenant charged since the queue was last idle; those with live waiters; their
+        # total weight.
+        self._tenants: dict[str, _Tenant] = {}
+        self._waiting: dict[str, _Tenant] = {}
         self._total_weight = 0.0
         self._service_s: float | None = None
-        self._reload_future: asyncio.Future[None] | None = None
         self._closed: Callable[[], GatewayError] | None = None
         metrics.queue_depth.set(0)
 
@@ -235,35 +281,36 @@ class AdmissionQueue:
         if self._closed is not None:
             raise self._closed()
         now = self.clock()
-        ticket = Ticket(self, tenant, label or tenant, weight, cost, now)
+        ticket = Ticket(self, tenant, label or tenant, weight, cost, now, next(self._seq))
         if self._in_flight < self.max_concurrency and self._depth == 0:
-            self._grant(ticket, now)
+            state = self._tenant(tenant, weight)
+            self._grant(ticket, state, max(state.finish, self._vtime), now)
             return ticket
         if self._depth >= self.queue_size:
             ticket._state = _State.DONE
             entry = self._waiting.get(tenant)
-            held = int(entry[0]) if entry is not None else 0
-            others = self._total_weight - (entry[1] if entry is not None else 0.0)
+            held = entry.live if entry is not None else 0
+            others = self._total_weight - (entry.weight if entry is not None else 0.0)
             at_share = held > 0 and held >= self.queue_size * weight / (others + weight)
             raise self._refusal(
                 ticket, f"The queue is full ({self.queue_size} requests waiting)", at_share
             )
-        ticket.tag = max(self._vtime, self._last_tag.get(tenant, 0.0)) + cost / weight
-        self._last_tag[tenant] = ticket.tag
-        ticket._future = asyncio.get_running_loop().create_future()
-        entry = self._waiting.get(tenant)
-        if entry is None:
-            entry = self._waiting[tenant] = [0, weight]
+        state = self._tenant(tenant, weight)
+        if state.live == 0:
+            state.finish = max(state.finish, self._vtime)
+            self._waiting[tenant] = state
             self._total_weight += weight
-        elif entry[1] != weight:
-            self._total_weight += weight - entry[1]
-            entry[1] = weight
-        entry[0] += 1
+        elif state.weight != weight:
+            self._total_weight += weight - state.weight
+        state.weight = weight
+        state.live += 1
+        state.waiters.append(ticket)
         self._depth += 1
         # Waiting behind its own tenant's backlog of at least its weighted share of the queue:
         # if this request times out, that backlog is the cause (429), not the engine (503).
-        ticket.behind_own = entry[0] >= 2 and entry[0] >= self._depth * weight / self._total_weight
-        heapq.heappush(self._heap, (ticket.tag, next(self._seq), ticket))
+        ticket.behind_own = (
+            state.live >= 2 and state.live >= self._depth * weight / self._total_weight
+        )
         self._metrics.queue_depth.set(self._depth)
         return ticket
 
@@ -276,16 +323,21 @@ class AdmissionQueue:
         """
         self._closed = error
         failed = 0
-        for _, _, ticket in self._heap:
-            if ticket._state is not _State.WAITING:
-                continue
-            ticket._state = _State.DONE
-            self._leave(ticket)
-            if ticket._future is not None and not ticket._future.done():
-                ticket._future.set_exception(error())
-            failed += 1
-        self._metrics.queue_depth.set(self._depth)
-        self._idle()
+        for state in list(self._waiting.values()):
+            for ticket in state.waiters:
+                if ticket._state is not _State.WAITING:
+                    continue
+                ticket._state = _State.DONE
+                ticket._error = error()
+                ticket._ring()
+                failed += 1
+            state.waiters.clear()
+            state.live = 0
+        self._waiting.clear()
+        self._total_weight = 0.0
+        self._depth = 0
+        self._metrics.queue_depth.set(0)
+        self._idle_check()
         return failed
 
     def reconfigure(self, max_concurrency: int, queue_size: int, queue_timeout_s: float) -> None:
@@ -297,16 +349,16 @@ class AdmissionQueue:
         self.max_concurrency = max_concurrency
         self.queue_size = queue_size
         self.queue_timeout_s = queue_timeout_s
-        if self._reload_future is not None and not self._reload_future.done():
-            self._reload_future.set_result(None)
-        self._reload_future = None
+        for state in self._waiting.values():
+            for ticket in state.waiters:
+                ticket._ring()  # waiters recompute their deadlines
         self._dispatch()
 
-    def _reloaded(self) -> asyncio.Future[None]:
-        """A future resolved at the next `reconfigure` (waiters recompute their deadlines)."""
-        if self._reload_future is None:
-            self._reload_future = asyncio.get_running_loop().create_future()
-        return self._reload_future
+    def _tenant(self, tenant: str, weight: float) -> _Tenant:
+        state = self._tenants.get(tenant)
+        if state is None:
+            state = self._tenants[tenant] = _Tenant(weight)
+        return state
 
     def _expire(self, ticket: Ticket) -> RateLimited | EngineUnavailable:
         """Remove a waiter whose ``queue_timeout_s`` passed; the error to raise for it."""
@@ -320,61 +372,76 @@ class AdmissionQueue:
 
     def _forget(self, ticket: Ticket) -> None:
         """Drop a waiter that left (released, cancelled or timed out) from the queue."""
-        if ticket._future is not None and not ticket._future.done():
-            ticket._future.cancel()
-        self._leave(ticket)
+        ticket._ring()
+        state = self._tenants[ticket.tenant]
+        self._leave(ticket.tenant, state)
+        waiters = state.waiters
+        if len(waiters) > 2 * state.live + _LINE_SLACK:
+            state.waiters = deque(t for t in waiters if t._state is _State.WAITING)
         self._metrics.queue_depth.set(self._depth)
-        if self._depth == 0:
-            self._idle()
-        elif len(self._heap) > 2 * self._depth + _HEAP_SLACK:
-            self._heap = [e for e in self._heap if e[2]._state is _State.WAITING]
-            heapq.heapify(self._heap)
+        self._idle_check()
 
-    def _finish(self, ticket: Ticket) -> None:
-        """Free a granted ticket's slot, learn its engine time, and grant the next waiter."""
+    def _finish(self, ticket: Ticket, used: int | None) -> None:
+        """Free a granted ticket's slot, learn its engine time, charge what it used, and grant
+        the next waiter."""
         self._in_flight -= 1
         if ticket.granted_at is not None:
             sample = max(0.0, self.clock() - ticket.granted_at)
             old = self._service_s
             self._service_s = sample if old is None else old + SERVICE_EWMA_ALPHA * (sample - old)
+        state = self._tenants.get(ticket.tenant)
+        if used is not None and state is not None:
+            state.finish += (max(0, used) - ticket.cost) / ticket.weight
         self._dispatch()
 
-    def _grant(self, ticket: Ticket, now: float) -> None:
+    def _grant(self, ticket: Ticket, state: _Tenant, start: float, now: float) -> None:
+        """Give ``ticket`` a slot at virtual ``start``; its tenant is charged its reservation."""
         ticket._state = _State.GRANTED
         ticket.granted_at = now
+        ticket.start = start
+        self._vtime = max(self._vtime, start)
+        state.finish = start + ticket.cost / ticket.weight
         self._in_flight += 1
         self._metrics.queue_wait.labels(ticket.label).observe(now - ticket.enqueued_at)
 
     def _dispatch(self) -> None:
-        """Grant waiters, smallest tag first, while slots are free."""
-        while self._in_flight < self.max_concurrency and self._heap:
-            tag, _, ticket = heapq.heappop(self._heap)
-            if ticket._state is not _State.WAITING:
-                continue
-            self._vtime = tag
-            self._leave(ticket)
-            self._grant(ticket, self.clock())
-            assert ticket._future is not None
-            ticket._future.set_result(None)
+        """Grant waiters while slots are free: the head of the line of the waiting tenant with
+        the smallest virtual finish time, ties to the earliest arrival."""
+        while self._in_flight < self.max_concurrency and self._depth > 0:
+            best: _Tenant | None = None
+            best_key = (0.0, 0)
+            for state in self._waiting.values():
+                waiters = state.waiters
+                while waiters[0]._state is not _State.WAITING:
+                    waiters.popleft()
+                key = (state.finish, waiters[0].seq)
+                if best is None or key < best_key:
+                    best, best_key = state, key
+            assert best is not None
+            ticket = best.waiters.popleft()
+            self._leave(ticket.tenant, best)
+            self._grant(ticket, best, best.finish, self.clock())
+            ticket._ring()
         self._metrics.queue_depth.set(self._depth)
-        if self._depth == 0:
-            self._idle()
+        self._idle_check()
 
-    def _leave(self, ticket: Ticket) -> None:
-        """Take a waiting ticket out of the per-tenant counts."""
-        entry = self._waiting[ticket.tenant]
-        entry[0] -= 1
-        if entry[0] <= 0:
-            del self._waiting[ticket.tenant]
-            self._total_weight -= entry[1]
+    def _leave(self, tenant: str, state: _Tenant) -> None:
+        """One of the waiters of ``tenant`` (``state``) left the queue (granted or gone)."""
+        state.live -= 1
         self._depth -= 1
+        if state.live <= 0:
+            state.waiters.clear()
+            del self._waiting[tenant]
+            self._total_weight -= state.weight
 
-    def _idle(self) -> None:
-        """Nobody waits: the next busy period starts at virtual time 0 (tags only order waiters)."""
-        self._total_weight = 0.0
-        self._heap.clear()
-        self._vtime = 0.0
-        self._last_tag.clear()
+    def _idle_check(self) -> None:
+        """Nobody waits and nothing runs: the next busy period starts at virtual time 0 (virtual
+        times only order waiters)."""
+        if self._depth == 0 and self._in_flight == 0:
+            self._total_weight = 0.0
+            self._vtime = 0.0
+            self._tenants.clear()
+            self._waiting.clear()
 
     def _refusal(
         self, ticket: Ticket, what: str, at_share: bool
@@ -389,7 +456,7 @@ class AdmissionQueue:
         if at_share:
             self._metrics.rate_limited.labels(ticket.label, "queue").inc()
             entry = self._waiting.get(ticket.tenant)
-            others = self._total_weight - (entry[1] if entry is not None else 0.0)
+            others = self._total_weight - (entry.weight if entry is not None else 0.0)
             wait = per_request * (others + ticket.weight) / ticket.weight
             return RateLimited(
                 "queue",

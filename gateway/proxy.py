@@ -119,7 +119,8 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
         try:
             return await admit_and_call(request, call)
         finally:
-            ticket.release()
+            # The tenant's fair share is charged what the engine used, not the reservation.
+            ticket.release(sum(call.usage.settle(plan.prompt_estimate)))
     except GatewayError as exc:
         for name, value in reservation.headers.items():
             exc.headers.setdefault(name, value)

@@ -115,7 +115,7 @@ async def test_fair_by_tokens_not_requests(metrics: Metrics) -> None:
     a_waiting = [queue.enqueue("a", 1.0, 8000) for _ in range(5)]
     b_waiting = [queue.enqueue("b", 1.0, 100) for _ in range(60)]
     order = grant_order(queue, first, a_waiting + b_waiting)
-    # Tags: A 8000, 16000, ...; B 100 .. 6000, all below A's first.
+    # Virtual finish times: A 8000 after its first; B 100 .. 6000, all below it.
     assert order[:60] == ["b"] * 60
 
 
@@ -278,7 +278,7 @@ async def test_cancel_racing_grant_frees_the_slot(metrics: Metrics) -> None:
 
 
 async def test_many_cancellations_leak_nothing(metrics: Metrics) -> None:
-    """2000 waiters cancelled while one request runs: no place, slot or heap entry stays behind."""
+    """2000 waiters cancelled while one request runs: no place, slot or line entry stays behind."""
     queue = queue_of(metrics, queue_size=100)
     running = queue.enqueue("a", 1.0, 10)
     survivor = queue.enqueue("s", 1.0, 10)
@@ -290,12 +290,12 @@ async def test_many_cancellations_leak_nothing(metrics: Metrics) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert queue.depth == 1
-        assert len(queue._heap) <= 2 * queue.depth + 64 + 99
+        assert sum(len(t.waiters) for t in queue._tenants.values()) <= 2 * queue.depth + 64 + 99
     running.release()
     assert survivor.granted
     survivor.release()
     assert queue.in_flight == 0 and queue.depth == 0
-    assert not queue._heap and not queue._waiting
+    assert not queue._tenants and not queue._waiting
     assert metrics.registry.get_sample_value("gateway_queue_depth") == 0
 
 
@@ -358,3 +358,61 @@ async def test_queue_wait_observed_per_tenant_label(metrics: Metrics) -> None:
     assert get("gateway_queue_wait_seconds_count", {"tenant": "acme"}) == 1
     assert get("gateway_queue_wait_seconds_sum", {"tenant": "acme"}) == 0
     assert get("gateway_queue_wait_seconds_sum", {"tenant": "default"}) == pytest.approx(2.5)
+
+
+async def test_unused_reservation_is_not_charged(metrics: Metrics) -> None:
+    """A tenant reserving 32k tokens but using 100 shares the engine by the tokens it used."""
+    queue = queue_of(metrics, queue_size=100)
+    first = queue.enqueue("x", 1.0, 100)
+    big = [queue.enqueue("a", 1.0, 32_768) for _ in range(10)]
+    small = [queue.enqueue("b", 1.0, 100) for _ in range(10)]
+    left, order, current = big + small, [], first
+    while left:
+        current.release(100)
+        current = next(t for t in left if t.granted)
+        left.remove(current)
+        order.append(current.tenant)
+    current.release(100)
+    assert order[:10].count("a") == 5 and order[:10].count("b") == 5
+
+
+async def test_reservation_charged_when_usage_unknown(metrics: Metrics) -> None:
+    """Released without usage, a request is charged its reservation: 8k waits for 80 of 100."""
+    queue = queue_of(metrics, queue_size=200)
+    first = queue.enqueue("x", 1.0, 100)
+    a_waiting = [queue.enqueue("a", 1.0, 8000) for _ in range(2)]
+    b_waiting = [queue.enqueue("b", 1.0, 100) for _ in range(100)]
+    order = grant_order(queue, first, a_waiting + b_waiting)
+    assert order[0] == "a" and order[1:81] == ["b"] * 80 and order[81] == "a"
+
+
+async def test_short_request_goes_next_behind_another_backlog(metrics: Metrics) -> None:
+    """A newcomer waits for the running request only, not for another tenant's queued ones."""
+    queue = queue_of(metrics)
+    running = queue.enqueue("long", 1.0, 2000)
+    backlog = [queue.enqueue("long", 1.0, 2000) for _ in range(3)]
+    for ticket in backlog[:2]:
+        running.release(2000)
+        running = ticket
+    short = queue.enqueue("short", 1.0, 20)
+    running.release(2000)
+    assert short.granted and not backlog[2].granted
+    short.release(20)
+    assert backlog[2].granted
+    backlog[2].release(2000)
+
+
+async def test_idle_tenant_banks_no_credit(metrics: Metrics) -> None:
+    """A tenant idle while another was served 20 times then alternates with it, not 20 in a row."""
+    queue = queue_of(metrics, queue_size=100)
+    current = queue.enqueue("a", 1.0, 100)
+    keep = queue.enqueue("a", 1.0, 100)
+    a_waiting = [keep]
+    for _ in range(20):
+        a_waiting.append(queue.enqueue("a", 1.0, 100))
+        current.release(100)
+        current = a_waiting.pop(0)
+    b_waiting = [queue.enqueue("b", 1.0, 100) for _ in range(6)]
+    a_more = [queue.enqueue("a", 1.0, 100) for _ in range(6)]
+    order = grant_order(queue, current, a_waiting + b_waiting + a_more)
+    assert "a" in order[:3] and order[:8].count("b") <= 5
