@@ -6,6 +6,9 @@ Sections (``--only`` picks some; default all but ``profile``):
 - ``paced``: 25 ms per token (40 tokens/s), 64 tokens; c = 1, 32, 64, 256;
 - ``limits``: adds the gateway with its rate limiter off to the ``fast`` rows;
 - ``slow``: 2,000 streams at 1 token/s, opened over 5 s, 25 s each (RSS and added stall);
+- ``busy``: one engine slot at 1,000 tokens/s, four tenants' backlog: engine busy fraction,
+  hand-over gap, Jain's fairness index, a short request's wait behind long ones
+  (`tests.perf.busy`);
 - ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised.
 
 Each of direct, nginx and gateway is measured in turn at each concurrency, the sequence repeated
@@ -28,6 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from tests.perf.bench import Row, measure, medians, run_profile, save, table
+from tests.perf.busy import BusyResults, busy_report, run_busy
 from tests.perf.loadgen import raise_open_files_limit
 from tests.perf.nginx import find_nginx
 from tests.perf.profile import find_py_spy, recording, summarise
@@ -37,10 +41,13 @@ from tests.perf.targets import verdicts
 
 FAST = Profile("fast", "0 ms per token, 256 tokens an answer", 0.0, 256, (1, 32, 256))
 PACED = Profile("paced", "25 ms per token (40 tokens/s), 64 tokens", 40.0, 64, (1, 32, 64, 256))
-SECTIONS = ("fast", "paced", "limits", "slow")
+SECTIONS = ("fast", "paced", "limits", "slow", "busy")
 EXTRA_SECTIONS = ("profile",)
 SLOW_STREAMS, SLOW_TOKENS = 2000, 25
 QUICK_SLOW_STREAMS, QUICK_SLOW_TOKENS = 500, 8
+# busy: measured window of each backlog run (s) and short probes behind the long backlog.
+BUSY_WINDOW_S, BUSY_PROBES = 30.0, 12
+QUICK_BUSY_WINDOW_S, QUICK_BUSY_PROBES = 8.0, 4
 # Rows sampled by the profile section (about 1 s each at c=32: enough samples to rank functions).
 PROFILE_ROWS = 6
 
@@ -131,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     report = [header(nginx_binary, rounds, args.quick), ""]
     rows: list[Row] = []
     slow: list[SlowResult] = []
+    busy: BusyResults | None = None
     try:
         for profile in (FAST, PACED):
             wanted = profile.name in only or (profile is FAST and "limits" in only)
@@ -166,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                 rounds=rounds,
                 progress=_progress,
             )
+        if "busy" in only:
+            busy = run_busy(
+                workdir / "busy",
+                window_s=QUICK_BUSY_WINDOW_S if args.quick else BUSY_WINDOW_S,
+                probes=QUICK_BUSY_PROBES if args.quick else BUSY_PROBES,
+                progress=_progress,
+            )
         profile_text = run_profile_section(workdir, args.quick) if "profile" in only else ""
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -182,8 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if slow:
         report += ["## Slow streams (1 token/s)", "", slow_table(slow), ""]
-    report += ["## Targets (issue 8)", ""]
-    report += [v.line() for v in verdicts(medians(rows), slow)]
+    if rows or slow:
+        report += ["## Targets (issue 8)", ""]
+        report += [v.line() for v in verdicts(medians(rows), slow)]
+        report += [""]
+    if busy is not None:
+        report += ["## One engine slot: busy and fair", ""]
+        report += busy_report(busy)
     if profile_text:
         report += ["", "## Profile", "", profile_text]
     print("\n".join(report))
