@@ -416,3 +416,23 @@ async def test_idle_tenant_banks_no_credit(metrics: Metrics) -> None:
     a_more = [queue.enqueue("a", 1.0, 100) for _ in range(6)]
     order = grant_order(queue, current, a_waiting + b_waiting + a_more)
     assert "a" in order[:3] and order[:8].count("b") <= 5
+
+
+async def test_close_fails_waiters_and_later_requests(metrics: Metrics) -> None:
+    """Closing fails every waiter and every later enqueue with the error; a granted one keeps
+    its slot until released."""
+    queue = queue_of(metrics)
+    running = queue.enqueue("a", 1.0, 10)
+    waiting = [queue.enqueue(t, 1.0, 10) for t in ("a", "b", "b")]
+    tasks = [asyncio.create_task(t.wait()) for t in waiting]
+    await asyncio.sleep(0)
+    assert queue.close(lambda: EngineUnavailable("shutting down", 1.0)) == 3
+    for task in tasks:
+        with pytest.raises(EngineUnavailable):
+            await task
+    assert queue.depth == 0 and running.granted and queue.in_flight == 1
+    with pytest.raises(EngineUnavailable):
+        queue.enqueue("c", 1.0, 10)
+    running.release(10)
+    assert queue.in_flight == 0
+    assert metrics.registry.get_sample_value("gateway_queue_depth") == 0
