@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -135,30 +136,72 @@ def test_client_leaving_mid_stream_stops_the_engine(
 # -------------------------------------------------------------------------------- engine crashes
 
 
-def test_engine_killed_mid_stream_then_recovered(
-    engine: LaunchedEngine, engine_gateway: Gateway
-) -> None:
-    """Engine killed mid-stream: an error event and no [DONE]; relaunched, the gateway recovers."""
+@dataclass
+class Crash:
+    """What one engine crash mid-stream looked like from the client, the gateway and the engine.
+
+    Attributes:
+        payloads: the ``data:`` payloads the client read, in order.
+        refused: a request while the engine was down got 503 with Retry-After.
+        launcher_status: the launcher's exit status after its engine died.
+        recovered: /ready came back and a chat completion succeeded, with nothing restarted
+            but the launcher.
+        before: (engine prompt, engine generation, charged prompt, charged completion) before.
+        engine_after: (engine prompt, engine generation) just before the kill, generation frozen
+            (real engine only; the simulator is one process, its counters die with it).
+    """
+
+    payloads: list[str]
+    refused: bool
+    launcher_status: int | None
+    recovered: bool
+    before: tuple[float, float, float, float]
+    engine_after: tuple[float, float] | None
+
+
+@pytest.fixture(scope="module")
+def crash(engine: LaunchedEngine, engine_gateway: Gateway) -> Crash:
+    """Kill the engine's process group mid-stream, once per engine (a relaunch of real vLLM
+    takes about 25 s), and record what everyone saw; the launcher is then started again, as
+    its supervisor would."""
+    assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
+    before = _counters(engine_gateway, engine)
+    engine_after = None
     payloads: list[str] = []
     with sse(engine_gateway, long_stream_body(engine)) as events:
         for payload in events:
             payloads.append(payload)
-            if len(payloads) == 10:
+            if len(payloads) == 50:
+                if engine.kind == "real":
+                    _freeze_generation(engine)
+                    time.sleep(1.0)  # what the API server already has reaches the gateway
+                    engine_after = (
+                        engine_metric(engine, "vllm:prompt_tokens_total"),
+                        engine_metric(engine, "vllm:generation_tokens_total"),
+                    )
                 engine.kill_engine()
-    assert "[DONE]" not in payloads
-    last = json.loads(payloads[-1])
-    assert "error" in last and last["error"]["message"] and last["error"]["type"]
 
-    # Down: the gateway says so at once, in OpenAI's shape, with Retry-After.
     def refused() -> bool:
         body = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}]}
         r = httpx.post(engine_gateway.url("/v1/chat/completions"), headers=AUTH, json=body)
         return r.status_code == 503 and int(r.headers.get("Retry-After", "0")) >= 1
 
-    assert wait_until(refused, 10, 0.1)
-    engine.restart()  # the launcher exited with its engine; its supervisor starts it again
-    assert wait_ready(engine_gateway, 30), "the gateway did not see the engine come back"
-    assert chat_ok(engine_gateway)
+    was_refused = wait_until(refused, 10, 0.1)
+    status = engine.restart()
+    recovered = wait_ready(engine_gateway, 60) and chat_ok(engine_gateway)
+    return Crash(payloads, was_refused, status, recovered, before, engine_after)
+
+
+def test_engine_killed_mid_stream_then_recovered(crash: Crash, engine_gateway: Gateway) -> None:
+    """Engine killed mid-stream: an error event and no [DONE]; 503 while down; the launcher
+    exits 1, is started again, and the gateway recovers on its own."""
+    assert "[DONE]" not in crash.payloads
+    last = json.loads(crash.payloads[-1])
+    assert "error" in last and last["error"]["message"] and last["error"]["type"]
+    assert all('"finish_reason":"' not in p for p in crash.payloads)
+    assert crash.refused
+    assert crash.launcher_status == 1
+    assert crash.recovered
     assert settled(engine_gateway)
 
 
@@ -222,7 +265,7 @@ ACCOUNTING_PENDING = pytest.mark.xfail(
 
 
 def _assert_charged_like_the_engine(
-    gw: Gateway, engine: LaunchedEngine, before: tuple[float, ...], after_engine: tuple[float, ...]
+    gw: Gateway, before: tuple[float, ...], after_engine: tuple[float, ...]
 ) -> None:
     assert wait_until(lambda: settled(gw), 10)
     prompt = charged(gw, "prompt") - before[2]
@@ -259,37 +302,27 @@ def test_client_gone_stream_is_charged_what_the_engine_generated(
         engine_metric(engine, "vllm:generation_tokens_total"),
     )
     assert after[1] - before[1] >= 40
-    _assert_charged_like_the_engine(engine_gateway, engine, before, after)
+    _assert_charged_like_the_engine(engine_gateway, before, after)
 
 
 @ACCOUNTING_PENDING
 def test_engine_dropped_stream_is_charged_what_the_engine_generated(
-    engine: LaunchedEngine, engine_gateway: Gateway
+    engine: LaunchedEngine, engine_gateway: Gateway, crash: Crash
 ) -> None:
     """Engine gone mid-stream: tokens charged = the engine's generation counter delta (±1)."""
+    if engine.kind == "real":
+        assert crash.engine_after is not None
+        _assert_charged_like_the_engine(engine_gateway, crash.before, crash.engine_after)
+        return
+    # The simulator's counters die with it: let it drop the connection and live on instead.
     assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
     before = _counters(engine_gateway, engine)
     body = long_stream_body(engine)
-    if engine.kind == "sim":
-        body["sim"]["drop_after"] = 300
+    body["sim"]["drop_after"] = 300
     with sse(engine_gateway, body) as events:
-        for count, _ in enumerate(events, 1):
-            if count == 50 and engine.kind == "real":
-                _freeze_generation(engine)
-                time.sleep(1.0)  # what the API server already has reaches the gateway
-                after = (
-                    engine_metric(engine, "vllm:prompt_tokens_total"),
-                    engine_metric(engine, "vllm:generation_tokens_total"),
-                )
-                engine.kill_engine()
-    if engine.kind == "sim":
-        after = (
-            engine_metric(engine, "vllm:prompt_tokens_total"),
-            engine_metric(engine, "vllm:generation_tokens_total"),
-        )
-    try:
-        _assert_charged_like_the_engine(engine_gateway, engine, before, after)
-    finally:
-        if engine.kind == "real":
-            engine.restart()
-            assert wait_ready(engine_gateway, 30)
+        assert "[DONE]" not in list(events)
+    after = (
+        engine_metric(engine, "vllm:prompt_tokens_total"),
+        engine_metric(engine, "vllm:generation_tokens_total"),
+    )
+    _assert_charged_like_the_engine(engine_gateway, before, after)

@@ -181,14 +181,19 @@ class LaunchedEngine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
 
-    def restart(self) -> None:
-        """Wait for the launcher to exit (it must, its engine died), then start it again."""
+    def restart(self) -> int | None:
+        """Wait for the launcher to exit (it must, its engine died), then start it again.
+
+        Returns the launcher's exit status, None if it had to be stopped.
+        """
         assert self.launcher is not None
         try:
-            self.launcher.wait(30)
+            status: int | None = self.launcher.wait(30)
         except subprocess.TimeoutExpired:
-            self.stop()
+            status = None
+        self.stop()
         self.start()
+        return status
 
     def stop(self) -> None:
         """SIGTERM the launcher (it stops the engine's group), then SIGKILL whatever is left."""
