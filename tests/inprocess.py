@@ -29,24 +29,11 @@ from gateway.app import create_app
 from gateway.config import Settings, load_settings
 from gateway.keys_file import load_keys_file
 from gateway.state import ENGINE_STATE
+from tests.clock import FakeClock
 from tests.conftest import ALIAS, DEFAULT_KEYS, KEY_A, to_toml, write_keys
 
 ENGINE_MODEL = "qwen3.8-27b-engine"
 AUTH_A = {"Authorization": f"Bearer {KEY_A}"}
-
-
-class FakeClock:
-    """A monotonic clock (seconds) that moves only when told: ``advance`` or ``now = ...``."""
-
-    def __init__(self, now: float = 500.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        """Move the clock forward by ``seconds``."""
-        self.now += seconds
 
 
 @contextlib.contextmanager
@@ -95,7 +82,7 @@ async def start_sim(directory: Path, **behaviour: Any) -> SimServer:
         behaviour=Behaviour(**{"tokens_per_second": 0.0, **behaviour}),
     )
     app = build_app(options)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
     await web.UnixSite(runner, socket).start()
     return SimServer(socket=socket, app=app, runner=runner, record=record)

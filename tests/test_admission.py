@@ -10,19 +10,7 @@ from prometheus_client import CollectorRegistry
 from gateway.admission import DEFAULT_SERVICE_S, AdmissionQueue, Ticket
 from gateway.errors import EngineUnavailable, RateLimited
 from gateway.metrics import Metrics
-
-
-class FakeClock:
-    """A monotonic clock that only moves when told."""
-
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.clock import FakeClock
 
 
 @pytest.fixture
@@ -168,7 +156,7 @@ async def test_tenant_below_share_of_full_queue_gets_503(metrics: Metrics) -> No
 
 async def test_503_retry_after_from_measured_drain_rate(metrics: Metrics) -> None:
     """Requests measured at 10 s of engine time each: a full queue says Retry-After 10."""
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     queue = queue_of(metrics, queue_size=1, clock=clock)
     for _ in range(3):
         ticket = queue.enqueue("a", 1.0, 10)
@@ -184,7 +172,7 @@ async def test_503_retry_after_from_measured_drain_rate(metrics: Metrics) -> Non
 
 async def test_drain_rate_scales_with_slots(metrics: Metrics) -> None:
     """Four slots at 8 s of engine time per request drain 0.5 requests a second."""
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     queue = queue_of(metrics, max_concurrency=4, clock=clock)
     ticket = queue.enqueue("a", 1.0, 10)
     clock.advance(8.0)
@@ -347,7 +335,7 @@ async def test_reconfigure_smaller_queue_keeps_waiters(metrics: Metrics) -> None
 
 async def test_queue_wait_observed_per_tenant_label(metrics: Metrics) -> None:
     """gateway_queue_wait_seconds gets one observation per grant, under the given label."""
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     queue = queue_of(metrics, clock=clock)
     first = queue.enqueue("a", 1.0, 10, label="acme")
     second = queue.enqueue("b", 1.0, 10, label="default")

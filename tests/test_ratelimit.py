@@ -17,19 +17,7 @@ from gateway.ratelimit import (
     RateLimiter,
     format_reset,
 )
-
-
-class FakeClock:
-    """A monotonic clock that only moves when told."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.clock import FakeClock
 
 
 @pytest.fixture

@@ -159,7 +159,7 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     """A message's content as a list of blocks (a string is one text block)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    blocks = expect(content, list, where)
+    blocks: list[dict[str, Any]] = expect(content, list, where)
     for index, block in enumerate(blocks):
         expect(block, dict, f"{where}.{index}")
         kind = block.get("type")
