@@ -46,10 +46,11 @@ def sane_request_id(value: str) -> bool:
     return bool(_REQUEST_ID_RE.match(value)) and not value.startswith(("sk-", "eyJ"))
 
 
-def _route_label(request: web.Request) -> str:
+def _route(request: web.Request) -> tuple[str, str]:
+    """The matched route's template and its metric label (the template when in `ROUTES`)."""
     resource = request.match_info.route.resource
     canonical = resource.canonical if resource is not None else "other"
-    return canonical if canonical in ROUTES else "other"
+    return canonical, canonical if canonical in ROUTES else "other"
 
 
 @web.middleware
@@ -62,11 +63,11 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
     app = request.app
     supplied = request.headers.get("X-Request-Id", "")
     request_id = supplied if sane_request_id(supplied) else uuid.uuid4().hex
-    route = _route_label(request)
+    template, route = _route(request)
     context = RequestContext(
         request_id=request_id, started=app[CLOCK](), route=route, live=app[LIVE].current
     )
-    dialect = app[DIALECTS].get(route)
+    dialect = app[DIALECTS].get(template)
     if dialect is not None:
         context.dialect = dialect
     request[CONTEXT] = context

@@ -56,7 +56,6 @@ class EngineState:
     def __init__(self, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
         self.status: EngineStatus = "starting"
         self.since = clock()
-        self.last_error: str | None = None
         self._clock = clock
         self._metrics = metrics
         self._ready = asyncio.Event()
@@ -70,7 +69,6 @@ class EngineState:
 
     def set(self, status: EngineStatus, error: str | None = None) -> None:
         """Record a probe result; logs transitions (``engine_up``/``engine_down`` events)."""
-        self.last_error = error
         if status == self.status:
             return
         previous, self.status, self.since = self.status, status, self._clock()
