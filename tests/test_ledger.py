@@ -220,6 +220,7 @@ def test_kill_9_loses_at_most_the_last_second(workdir: Path) -> None:
     for line in proc.stdout:  # what it printed before the kill landed
         i, ts = line.split()
         queued[f"req-{i}"] = float(ts)
+    proc.stdout.close()
     conn = open_readonly(path)
     kept = {r[0] for r in conn.execute("SELECT request_id FROM usage")}
     conn.close()
