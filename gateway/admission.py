@@ -83,6 +83,11 @@ class Ticket:
         return self._state is _State.GRANTED
 
     @property
+    def released(self) -> bool:
+        """True once the ticket was released (or failed by a closed queue)."""
+        return self._state is _State.DONE
+
+    @property
     def waited_s(self) -> float:
         """Seconds spent in the queue: until granted, or until now while still waiting."""
         end = self.granted_at if self.granted_at is not None else self._queue.clock()
@@ -108,9 +113,9 @@ class Ticket:
             RuntimeError: the ticket was released (before or during the wait).
             asyncio.CancelledError: passed on, after giving the place (or slot) back.
         """
-        if self._state is _State.GRANTED:
+        if self.granted:
             return True
-        if self._state is _State.DONE:
+        if self.released:
             raise RuntimeError("ticket already released")
         queue = self._queue
         loop = asyncio.get_running_loop()
