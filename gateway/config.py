@@ -9,26 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from engine.tomlfile import load_toml
+from gateway.config_tables import ConfigError as ConfigError
+from gateway.config_tables import build_table
 
 DEFAULT_CONFIG_PATH = "/etc/qwen38/gateway.toml"
 CONFIG_ENV = "QWEN38_GATEWAY_CONFIG"
 TENANT_NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 DEFAULT_TENANT = "default"
 UNKNOWN_TENANT = "unknown"
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the file, key and offending value."""
 
 
 @dataclass(frozen=True)
@@ -305,104 +302,6 @@ _SECTIONS: dict[str, type] = {
     "logging": LoggingSettings,
 }
 
-# key -> (minimum, maximum) inclusive; checked after types.
-_RANGES: dict[str, tuple[float, float]] = {
-    "server.port": (1, 65535),
-    "server.max_body_bytes": (1024, 1 << 31),
-    "server.shutdown_grace_s": (0, 3600),
-    "server.keepalive_timeout_s": (1, 3600),
-    "server.body_timeout_s": (0.1, 3600),
-    "server.client_write_timeout_s": (0.1, 3600),
-    "server.sse_keepalive_s": (0, 3600),
-    "metrics.port": (1, 65535),
-    "metrics.engine_scrape_timeout_s": (0.05, 60),
-    "metrics.engine_scrape_cache_s": (0, 60),
-    "engine.max_model_len": (1, 1 << 24),
-    "engine.max_concurrency": (1, 4096),
-    "engine.queue_size": (0, 1_000_000),
-    "engine.queue_timeout_s": (0, 86_400),
-    "engine.connect_timeout_s": (0.01, 600),
-    "engine.read_timeout_s": (0.01, 86_400),
-    "engine.pool_idle_s": (0.1, 4.9),
-    "engine.health_interval_s": (0.05, 600),
-    "engine.queued_comment_after_s": (0, 3600),
-    "engine.drift_check_interval_s": (0.1, 86_400),
-    "responses.store_max_items": (1, 10_000_000),
-    "responses.store_max_bytes": (1024, 1 << 40),
-    "responses.store_ttl_s": (1, 31_536_000),
-    "auth.jwt_leeway_s": (0, 3600),
-    "auth.jwt_max_ttl_s": (1, 31_536_000),
-    "auth.reload_poll_s": (0.05, 60),
-    "ratelimit.redis_timeout_s": (0.01, 60),
-    "ledger.flush_interval_s": (0.01, 1.0),
-    "ledger.retention_days": (0, 36_500),
-    "ledger.prune_interval_s": (1, 86_400),
-    "ledger.max_pending": (1000, 10_000_000),
-    "tenant.rpm": (0, 10**9),
-    "tenant.tpm": (0, 10**12),
-    "tenant.concurrency": (0, 100_000),
-    "tenant.weight": (0.001, 1_000_000),
-    "tenant.max_tokens": (1, 1 << 24),
-    "tenant.tokens_per_day": (0, 10**15),
-    "tenant.tokens_per_month": (0, 10**15),
-}
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "ratelimit.backend": ("memory", "redis"),
-    "logging.level": ("debug", "info", "warning", "error"),
-}
-
-
-def _expected(tp: Any) -> tuple[type, ...]:
-    """Python types a TOML value may have for a dataclass field annotation (a string here)."""
-    text = str(tp)
-    if text.startswith("tuple"):
-        return (list,)
-    if text.startswith("bool"):
-        return (bool, type(None)) if "None" in text else (bool,)
-    if text.startswith("int"):
-        return (int,)
-    if text.startswith("float"):
-        return (int, float)
-    return (str,)
-
-
-def _build(cls: type, table: Any, where: str, base: Any = None) -> Any:
-    """Instantiate dataclass ``cls`` from TOML ``table``, checking keys, types, ranges and choices."""
-    if not isinstance(table, dict):
-        raise ConfigError(f"{where}: expected a table, got {table!r}")
-    known = {f.name: f for f in dataclasses.fields(cls) if f.name != "name"}
-    values: dict[str, Any] = {}
-    for key, value in table.items():
-        dotted = f"{where}.{key}"
-        f = known.get(key)
-        if f is None:
-            raise ConfigError(f"unknown key {dotted} (known: {', '.join(sorted(known))})")
-        kinds = _expected(f.type)
-        if isinstance(value, bool) and bool not in kinds:
-            raise ConfigError(f"{dotted} = {value!r}: expected {kinds[0].__name__}")
-        if not isinstance(value, kinds):
-            raise ConfigError(f"{dotted} = {value!r}: expected {kinds[0].__name__}")
-        if isinstance(value, list):
-            if not all(isinstance(item, str) and item for item in value):
-                raise ConfigError(f"{dotted} = {value!r}: expected a list of non-empty strings")
-            value = tuple(value)
-        if float in kinds:
-            value = float(cast(float, value))
-            if not math.isfinite(value):
-                raise ConfigError(f"{dotted} = {value!r}: must be finite")
-        range_key = f"tenant.{key}" if where.startswith("tenants.") else dotted
-        bounds = _RANGES.get(range_key)
-        if bounds is not None and not bounds[0] <= value <= bounds[1]:
-            raise ConfigError(f"{dotted} = {value!r}: must be between {bounds[0]} and {bounds[1]}")
-        choices = _CHOICES.get(dotted)
-        if choices is not None and value not in choices:
-            raise ConfigError(f"{dotted} = {value!r}: must be one of {', '.join(choices)}")
-        values[key] = value
-    if base is not None:
-        return dataclasses.replace(base, **values)
-    return cls(**values)
-
 
 def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settings:
     """Build `Settings` from a parsed TOML document.
@@ -418,12 +317,12 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
         if cls is None:
             known = ", ".join([*sorted(_SECTIONS), "tenants"])
             raise ConfigError(f"unknown section [{name}] (known: {known})")
-        sections[name] = _build(cls, table, name)
+        sections[name] = build_table(cls, table, name)
 
     raw_tenants = data.get("tenants", {})
     if not isinstance(raw_tenants, dict):
         raise ConfigError(f"tenants: expected tables [tenants.NAME], got {raw_tenants!r}")
-    default = _build(TenantSettings, raw_tenants.get(DEFAULT_TENANT, {}), "tenants.default")
+    default = build_table(TenantSettings, raw_tenants.get(DEFAULT_TENANT, {}), "tenants.default")
     tenants: dict[str, TenantSettings] = {DEFAULT_TENANT: default}
     for tname, table in raw_tenants.items():
         if not TENANT_NAME_RE.match(tname) or tname == UNKNOWN_TENANT:
@@ -434,7 +333,7 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
         if tname == DEFAULT_TENANT:
             continue
         base = dataclasses.replace(default, name=tname)
-        tenants[tname] = _build(TenantSettings, table, f"tenants.{tname}", base=base)
+        tenants[tname] = build_table(TenantSettings, table, f"tenants.{tname}", base=base)
 
     settings = Settings(**sections, tenants=MappingProxyType(tenants), source=source)
     server, metrics = settings.server, settings.metrics
