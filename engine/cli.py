@@ -18,6 +18,8 @@ from engine.config import (
     config_path,
     load_settings,
 )
+from engine.gpus import resolve_devices
+from engine.probes import PreflightError, Probes, system_probes
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # preflight failed, engine exited or hung, start refused
@@ -97,26 +99,18 @@ def _load(path_arg: str | None, environ: Mapping[str, str]) -> tuple[Settings, s
     return load_settings(path), str(path)
 
 
-def _launch(settings: Settings, probes: preflight.Probes) -> Launch:
-    """The launch for ``settings``; a PCI bus id in ``engine.gpu`` is resolved to the GPU's UUID.
+def _launch(settings: Settings, probes: Probes) -> Launch:
+    """The launch for ``settings``; PCI bus ids among the GPUs are resolved to their UUIDs.
 
     Raises:
-        preflight.PreflightError: the bus id cannot be resolved.
+        PreflightError: a bus id cannot be resolved.
     """
     engine = settings.engine
-    if engine.gpu_kind != "pci":
-        return build_launch(engine)
-    gpu = preflight.find_gpu(preflight.query_gpus(probes), engine.gpu)
-    if gpu is None:
-        raise preflight.PreflightError(
-            f"no GPU has PCI bus id {engine.gpu}",
-            "set engine.gpu to a bus id nvidia-smi lists",
-        )
-    return build_launch(engine, visible_device=gpu.uuid)
+    return build_launch(engine, visible_devices=resolve_devices(engine.devices, probes))
 
 
 def _check(args: argparse.Namespace) -> int:
-    probes = preflight.system_probes()
+    probes = system_probes()
     try:
         settings, path = _load(args.config, probes.environ)
     except ConfigError as exc:
@@ -129,14 +123,14 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _command(args: argparse.Namespace) -> int:
-    probes = preflight.system_probes()
+    probes = system_probes()
     try:
         settings, _path = _load(args.config, probes.environ)
         launch = _launch(settings, probes)
     except ConfigError as exc:
         print(f"qwen38-engine: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except preflight.PreflightError as exc:
+    except PreflightError as exc:
         print(f"qwen38-engine: {exc}; {exc.fix}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.write(launch.render())
@@ -150,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure_logging()
     log = get_logger()
-    probes = preflight.system_probes()
+    probes = system_probes()
     try:
         settings, path = _load(args.config, probes.environ)
     except ConfigError as exc:
@@ -175,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
     try:
         launch = _launch(settings, probes)
-    except preflight.PreflightError as exc:
+    except PreflightError as exc:
         log.error("gpu_unresolved", error=str(exc), fix=exc.fix)
         return EXIT_CONFIG
     notifier = SystemdNotifier(os.environ.get("NOTIFY_SOCKET"))

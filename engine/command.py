@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from engine.config import FORBIDDEN_ENV, EngineConfig
+from engine.gpus import gpu_kind
 
 # systemd's notification variables belong to the launcher, not to its child (sd_notify(3)).
 _LAUNCHER_ONLY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -73,29 +74,42 @@ def _is_option(word: str) -> bool:
     return word.startswith("--") and len(word) > 2
 
 
-def build_launch(engine: EngineConfig, *, visible_device: str | None = None) -> Launch:
+def build_launch(engine: EngineConfig, *, visible_devices: Sequence[str] | None = None) -> Launch:
     """The argv and environment for ``engine``.
 
     The flag list is the reference deployment's (DESIGN section 8; every flag checked against
-    vllm-protocol.md section 1.3). ``--api-key`` is never emitted: the engine listens only on its
-    Unix socket and the gateway checks keys.
+    vLLM's engine arguments). ``--api-key`` is never emitted: the engine listens only on its
+    Unix socket and the gateway checks keys. With several GPUs, ``--tensor-parallel-size`` is
+    their count (vLLM runs one tensor-parallel rank per visible GPU, in ``CUDA_VISIBLE_DEVICES``
+    order); with ``[engine.speculative]``, ``--speculative-config`` carries it as JSON.
 
     Args:
         engine: validated ``[engine]`` settings.
-        visible_device: value for ``CUDA_VISIBLE_DEVICES``; defaults to ``engine.gpu``, which must
-            then be an index or a UUID (CUDA does not accept PCI bus ids; resolve those to the
-            GPU's UUID first, see `engine.preflight.find_gpu`).
+        visible_devices: ``CUDA_VISIBLE_DEVICES`` entries, one per GPU of ``engine.devices``;
+            defaults to those selectors, which must then be indices or UUIDs (CUDA does not
+            accept PCI bus ids; resolve those to the GPU's UUID first, see
+            `engine.gpus.resolve_devices`).
 
     Raises:
-        ValueError: ``visible_device`` is missing and ``engine.gpu`` is a PCI bus id.
+        ValueError: ``visible_devices`` is missing and a GPU is named by its PCI bus id, or it
+            does not have one entry per GPU.
     """
-    if visible_device is None:
-        if engine.gpu_kind == "pci":
+    if visible_devices is None:
+        pci = [gpu for gpu in engine.devices if gpu_kind(gpu) == "pci"]
+        if pci:
             raise ValueError(
-                f"engine.gpu = {engine.gpu!r} is a PCI bus id; CUDA_VISIBLE_DEVICES needs the "
-                "GPU's index or UUID, which nvidia-smi provides"
+                f"GPU {pci[0]!r} is a PCI bus id; CUDA_VISIBLE_DEVICES needs the GPU's index or "
+                "UUID, which nvidia-smi provides"
             )
-        visible_device = engine.gpu
+        visible_devices = engine.devices
+    if len(visible_devices) != len(engine.devices):
+        raise ValueError(f"{len(visible_devices)} devices for {len(engine.devices)} GPUs")
+    parallel: tuple[str, ...] = ()
+    if engine.tensor_parallel_size > 1:
+        parallel = ("--tensor-parallel-size", str(engine.tensor_parallel_size))
+    speculative: tuple[str, ...] = ()
+    if engine.speculative is not None:
+        speculative = ("--speculative-config", engine.speculative.as_json())
     argv = (
         *engine.program,
         "--model",
@@ -120,10 +134,12 @@ def build_launch(engine: EngineConfig, *, visible_device: str | None = None) -> 
         repr(engine.gpu_memory_utilization),
         "--max-num-seqs",
         str(engine.max_num_seqs),
+        *parallel,
+        *speculative,
         *engine.extra_args,
     )
     # CUDA numbers GPUs fastest-first unless told otherwise; PCI_BUS_ID makes indices match
     # nvidia-smi and slot order (CUDA C Programming Guide, CUDA Environment Variables).
-    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible_device}
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(visible_devices)}
     env.update(engine.env)
     return Launch(argv=argv, env=MappingProxyType(env))

@@ -15,20 +15,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
+from engine.gpus import GpuKind, gpu_kind
 from engine.tomlfile import load_toml
 
 DEFAULT_CONFIG_PATH = "/etc/qwen38/engine.toml"
 CONFIG_ENV = "QWEN38_ENGINE_CONFIG"
 
-GpuKind = Literal["index", "uuid", "pci"]
-_GPU_INDEX_RE = re.compile(r"^[0-9]{1,3}$")
-_GPU_UUID_RE = re.compile(r"^GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
-# nvidia-smi prints 00000000:00:1E.0 (8-digit domain); lspci prints 0000:00:1e.0 or 00:1e.0.
-_GPU_PCI_RE = re.compile(
-    r"^(?:(?P<domain>[0-9a-fA-F]{4,8}):)?(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})\.(?P<fn>[0-7])$"
-)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -48,6 +42,10 @@ MANAGED_FLAGS: Mapping[str, str] = MappingProxyType(
         "--attention-backend": "engine.attention_backend",
         "--enable-auto-tool-choice": "engine.tool_call_parser",
         "--disable-fastapi-docs": "(always set)",
+        "--tensor-parallel-size": "engine.gpus (one rank per listed GPU)",
+        "-tp": "engine.gpus (one rank per listed GPU)",
+        "--speculative-config": "[engine.speculative]",
+        "-sc": "[engine.speculative]",
     }
 )
 
@@ -66,7 +64,7 @@ FORBIDDEN_ENV: Mapping[str, str] = MappingProxyType(
         "VLLM_SERVER_DEV_MODE": "it mounts the dev/admin routes (/sleep, /collective_rpc ...)",
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "it mounts the LoRA load/unload routes",
         "VLLM_DEBUG_LOG_API_SERVER_RESPONSE": "it logs response bodies (completions) in clear",
-        "CUDA_VISIBLE_DEVICES": "the launcher sets it from engine.gpu",
+        "CUDA_VISIBLE_DEVICES": "the launcher sets it from engine.gpu or engine.gpus",
         "CUDA_DEVICE_ORDER": "the launcher sets it to PCI_BUS_ID so indices follow slot order",
     }
 )
@@ -74,6 +72,38 @@ FORBIDDEN_ENV: Mapping[str, str] = MappingProxyType(
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the file, key and offending value."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``[engine.speculative]``: speculative decoding, rendered as vLLM's ``--speculative-config``.
+
+    The keys are those of vLLM's ``SpeculativeConfig`` (vLLM documentation, Speculative
+    Decoding: ``--speculative-config '{"method": ..., "model": ..., "num_speculative_tokens":
+    ...}'``). Absent table: no speculative decoding.
+
+    Attributes:
+        method: vLLM's method name, e.g. ``"dflash"`` for a DFlash draft such as DFlash2.
+        model: the draft model's directory.
+        num_speculative_tokens: tokens proposed per step; 0 leaves it to the draft's config
+            (vLLM takes the number from the draft model's config when it is absent).
+        draft_tensor_parallel_size: the draft's tensor parallelism, 1 or the target's; 0 leaves
+            vLLM's default (the target's).
+    """
+
+    method: str = "dflash"
+    model: str = ""
+    num_speculative_tokens: int = 0
+    draft_tensor_parallel_size: int = 0
+
+    def as_json(self) -> str:
+        """The ``--speculative-config`` value: compact JSON, keys in a fixed order."""
+        config: dict[str, object] = {"method": self.method, "model": self.model}
+        if self.num_speculative_tokens:
+            config["num_speculative_tokens"] = self.num_speculative_tokens
+        if self.draft_tensor_parallel_size:
+            config["draft_tensor_parallel_size"] = self.draft_tensor_parallel_size
+        return json.dumps(config, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -90,6 +120,9 @@ class EngineConfig:
             (``"00000000:00:1E.0"``); becomes ``CUDA_VISIBLE_DEVICES`` with
             ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (a bus id is translated to the GPU's UUID, because
             CUDA does not accept bus ids there).
+        gpus: several GPUs, each named as ``gpu`` is, instead of ``gpu`` (one of the two keys);
+            the engine runs one tensor-parallel rank per GPU (``--tensor-parallel-size``), and
+            ``CUDA_VISIBLE_DEVICES`` lists them in this order. Empty: ``gpu`` alone.
         max_model_len: context length in tokens; 254,976 fits the 256,484-token FP8 KV pool measured
             on the reference V100 (DEPLOYMENT-NOTES).
         kv_cache_dtype: ``--kv-cache-dtype``; ``fp8_e5m2`` is what Flash-V100 uses on SM70
@@ -111,6 +144,7 @@ class EngineConfig:
             (ignored by this build, vllm-protocol.md section 1.4).
         extra_args: appended after the computed flags; never ``--api-key``, never a managed flag.
         env: added to the engine's environment (``[engine.env]``).
+        speculative: ``[engine.speculative]``, None without speculative decoding.
     """
 
     program: tuple[str, ...] = ("python3", "-m", "vllm.entrypoints.openai.api_server")
@@ -127,11 +161,23 @@ class EngineConfig:
     attention_backend: str = "FLASH_ATTN_V100"
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    gpus: tuple[str, ...] = ()
+    speculative: SpeculativeConfig | None = None
 
     @property
     def gpu_kind(self) -> GpuKind:
         """How ``gpu`` names the card: ``index``, ``uuid`` or ``pci`` (validated at load)."""
         return gpu_kind(self.gpu)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The GPUs the engine uses, in rank order: ``gpus``, else ``(gpu,)``."""
+        return self.gpus or (self.gpu,)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """One tensor-parallel rank per GPU (``--tensor-parallel-size``)."""
+        return len(self.devices)
 
 
 @dataclass(frozen=True)
@@ -204,34 +250,6 @@ class Settings:
     source: str | None = None
 
 
-def gpu_kind(selector: str) -> GpuKind:
-    """Classify a GPU selector as ``index``, ``uuid`` or ``pci``.
-
-    Raises:
-        ValueError: it is none of them.
-    """
-    if _GPU_INDEX_RE.match(selector):
-        return "index"
-    if _GPU_UUID_RE.match(selector):
-        return "uuid"
-    if _GPU_PCI_RE.match(selector):
-        return "pci"
-    raise ValueError(selector)
-
-
-def normalize_bus_id(bus_id: str) -> tuple[int, int, int, int] | None:
-    """(domain, bus, device, function) of a PCI bus id in nvidia-smi or lspci form, else None."""
-    match = _GPU_PCI_RE.match(bus_id.strip())
-    if match is None:
-        return None
-    return (
-        int(match["domain"] or "0", 16),
-        int(match["bus"], 16),
-        int(match["dev"], 16),
-        int(match["fn"]),
-    )
-
-
 def _show(value: Any) -> str:
     """A value as TOML-ish text for error messages."""
     try:
@@ -284,6 +302,35 @@ def _gpu(key: str, value: Any) -> str:
             '("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx") or a PCI bus id ("00000000:00:1E.0")'
         ) from None
     return value
+
+
+def _gpus(key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{key} = {_show(value)}: expected a non-empty list of GPUs")
+    gpus = tuple(_gpu(f"{key}[{i}]", item) for i, item in enumerate(value))
+    if len({gpu.lower() for gpu in gpus}) != len(gpus):
+        raise ConfigError(f"{key} = {_show(value)}: a GPU is listed twice")
+    return gpus
+
+
+def _speculative(key: str, value: Any) -> SpeculativeConfig:
+    if not isinstance(value, dict):
+        raise ConfigError(f"[{key}]: expected a table")
+    checks: dict[str, _Check] = {
+        "method": _name,
+        "model": _path,
+        "num_speculative_tokens": _int(0, 64),
+        "draft_tensor_parallel_size": _int(0, 64),
+    }
+    values = {}
+    for name, item in value.items():
+        check = checks.get(name)
+        if check is None:
+            raise ConfigError(f"unknown key {key}.{name} (known: {', '.join(sorted(checks))})")
+        values[name] = check(f"{key}.{name}", item)
+    if "model" not in values:
+        raise ConfigError(f"{key}.model: the draft model's directory is required")
+    return SpeculativeConfig(**values)
 
 
 def _int(low: int, high: int) -> Callable[[str, Any], int]:
@@ -383,6 +430,7 @@ _ENGINE_KEYS: dict[str, _Check] = {
     "served_model": _name,
     "socket": _socket,
     "gpu": _gpu,
+    "gpus": _gpus,
     "max_model_len": _int(1, 1 << 24),
     "kv_cache_dtype": _name,
     "gpu_memory_utilization": _float(0.0, 1.0, low_open=True),
@@ -392,6 +440,7 @@ _ENGINE_KEYS: dict[str, _Check] = {
     "attention_backend": _name,
     "extra_args": _extra_args,
     "env": _env,
+    "speculative": _speculative,
 }
 
 _SUPERVISE_KEYS: dict[str, _Check] = {
@@ -438,7 +487,8 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
 
     Raises:
         ConfigError: unknown section or key, wrong type, out-of-range value, a refused flag or
-            environment variable, or ``supervise.unhealthy_after_s`` or a non-zero
+            environment variable, both ``gpu`` and ``gpus``, a draft tensor parallelism other
+            than 1 or the GPU count, or ``supervise.unhealthy_after_s`` or a non-zero
             ``stall_after_s`` below ``health_interval_s``.
     """
     sections: dict[str, Any] = {}
@@ -446,7 +496,20 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
         if name not in _SECTIONS:
             raise ConfigError(f"unknown section [{name}] (known: {', '.join(_SECTIONS)})")
         sections[name] = _section(name, table)
+    engine_table = data.get("engine")
+    if isinstance(engine_table, dict) and "gpu" in engine_table and "gpus" in engine_table:
+        raise ConfigError(
+            "engine.gpu and engine.gpus are both set: use gpu for one GPU or gpus for several"
+        )
     settings = Settings(**sections, source=source)
+    speculative = settings.engine.speculative
+    tp = settings.engine.tensor_parallel_size
+    if speculative is not None and speculative.draft_tensor_parallel_size not in (0, 1, tp):
+        raise ConfigError(
+            f"engine.speculative.draft_tensor_parallel_size = "
+            f"{speculative.draft_tensor_parallel_size}: must be 1 or the number of GPUs ({tp}) "
+            "(vLLM's SpeculativeConfig)"
+        )
     supervise = settings.supervise
     if supervise.unhealthy_after_s < supervise.health_interval_s:
         raise ConfigError(

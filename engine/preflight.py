@@ -7,40 +7,24 @@ functions here only decide. Files (checkpoint, ``Python.h``, socket directory) a
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 import os
 import re
-import shutil
 import stat
 import struct
-import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
 
 from engine.command import build_launch
-from engine.config import EngineConfig, Settings, gpu_kind, normalize_bus_id
-
-Status = Literal["PASS", "WARN", "FAIL"]
-
-GPU_QUERY: tuple[str, ...] = (
-    "nvidia-smi",
-    "--query-gpu=index,uuid,pci.bus_id,name,compute_cap,memory.total,memory.free,driver_version",
-    "--format=csv,noheader,nounits",
-)
-SMI_HEADER: tuple[str, ...] = ("nvidia-smi",)
+from engine.config import Settings
+from engine.gpucheck import gpu_checks
+from engine.gpus import CUDA_TOOLKIT, gpu_kind
+from engine.probes import CheckResult, Probes, dotted, last_line, parse_version
 
 REQUIRED_PYTHON = (3, 12)  # the wheel is cp312 (vllm-protocol.md section 1.1)
 REQUIRED_GLIBC = (2, 38)  # flash_attn_v100_cuda.so needs GLIBC_2.38 (DEPLOYMENT-NOTES)
-REQUIRED_COMPUTE_CAP = "7.0"  # the wheel's kernels are SM70 (V100) only
-# NVIDIA CUDA Compatibility guide, "Minor Version Compatibility": CUDA 12.x user space runs on
-# Linux drivers >= 525.60.13.
-MIN_DRIVER = (525, 60, 13)
-CUDA_TOOLKIT = (12, 8)  # the wheel is built with CUDA 12.8 (vllm-protocol.md section 1.1)
 ONECAT_DIST = "1cat-vllm"  # pyproject name of the 1Cat wheel (vllm-protocol.md section 1.1)
 ONECAT_PROTOCOL_BASE = (1, 2)  # releases the wire-protocol notes were checked against
 
@@ -63,251 +47,6 @@ except BaseException as exc:
     out["import_error"] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))
 """
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One preflight line.
-
-    Attributes:
-        status: ``PASS``, ``WARN`` (works, but not as intended) or ``FAIL`` (the engine will not
-            start or not work; ``serve`` refuses to start and ``check`` exits 1).
-        name: short check name, stable for scripts (``gpu``, ``glibc`` ...).
-        detail: what was found.
-        fix: one sentence, for WARN and FAIL.
-    """
-
-    status: Status
-    name: str
-    detail: str
-    fix: str = ""
-
-    def line(self) -> str:
-        """``STATUS name: detail`` and, for WARN/FAIL, an indented ``fix:`` line."""
-        text = f"{self.status} {self.name}: {self.detail}"
-        if self.status != "PASS" and self.fix:
-            text += f"\n    fix: {self.fix}"
-        return text
-
-
-@dataclass(frozen=True)
-class Output:
-    """What a probed command printed; ``returncode`` 124 means it timed out."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-class Runner(Protocol):
-    """Runs a command and returns its `Output`, or None when the program does not exist."""
-
-    def __call__(
-        self,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        timeout_s: float = 30.0,
-    ) -> Output | None: ...
-
-
-@dataclass(frozen=True)
-class Probes:
-    """Everything preflight asks the system, as replaceable callables.
-
-    Attributes:
-        run: runs a command (`Runner`).
-        which: ``(name, PATH) -> path or None``, like `shutil.which`.
-        glibc: ``os.confstr("CS_GNU_LIBC_VERSION")``, e.g. ``"glibc 2.39"``; ``""`` if not glibc.
-        disk_usage: ``path -> (total, free)`` in bytes (free as seen by unprivileged users);
-            raises OSError when the path does not exist.
-        environ: the launcher's environment (the engine inherits it).
-    """
-
-    run: Runner
-    which: Callable[[str, str | None], str | None]
-    glibc: Callable[[], str]
-    disk_usage: Callable[[str], tuple[int, int]]
-    environ: Mapping[str, str] = field(default_factory=dict)
-
-
-def _run(
-    argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout_s: float = 30.0
-) -> Output | None:
-    try:
-        done = subprocess.run(
-            list(argv),
-            env=dict(env) if env is not None else None,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout_s,
-            check=False,
-        )
-    except FileNotFoundError:
-        return None
-    except PermissionError as exc:
-        return Output(126, "", str(exc))
-    except subprocess.TimeoutExpired:
-        return Output(124, "", f"timed out after {timeout_s:g} s")
-    return Output(done.returncode, done.stdout, done.stderr)
-
-
-def _glibc() -> str:
-    try:
-        return os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (ValueError, OSError):
-        return ""
-
-
-def _disk_usage(path: str) -> tuple[int, int]:
-    usage = shutil.disk_usage(path)
-    return usage.total, usage.free
-
-
-def system_probes(environ: Mapping[str, str] | None = None) -> Probes:
-    """`Probes` of this machine (``environ`` defaults to `os.environ`)."""
-    return Probes(
-        run=_run,
-        which=lambda name, path: shutil.which(name, path=path),
-        glibc=_glibc,
-        disk_usage=_disk_usage,
-        environ=dict(os.environ if environ is None else environ),
-    )
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """One row of `GPU_QUERY`; memory in MiB, ``bus_id`` as nvidia-smi prints it."""
-
-    index: int
-    uuid: str
-    bus_id: str
-    name: str
-    compute_cap: str
-    memory_total_mib: int
-    memory_free_mib: int
-    driver_version: str
-
-    def describe(self) -> str:
-        """``0 Tesla V100-SXM2-32GB (GPU-..., 00000000:00:1E.0)``."""
-        return f"{self.index} {self.name} ({self.uuid}, {self.bus_id})"
-
-
-class PreflightError(RuntimeError):
-    """A probe needed outside `run_checks` (GPU lookup for a PCI bus id) failed; ``fix`` says how."""
-
-    def __init__(self, message: str, fix: str) -> None:
-        super().__init__(message)
-        self.fix = fix
-
-
-def parse_gpu_query(text: str) -> list[GpuInfo]:
-    """Parse the output of `GPU_QUERY` (CSV, no header, no units).
-
-    Raises:
-        ValueError: a row does not have the eight fields or a number does not parse (``[N/A]``).
-    """
-    gpus = []
-    for row in csv.reader(text.splitlines(), skipinitialspace=True):
-        if not row:
-            continue
-        if len(row) != 8:
-            raise ValueError(f"unexpected nvidia-smi row: {', '.join(row)}")
-        index, uuid, bus_id, name, cap, total, free, driver = (item.strip() for item in row)
-        gpus.append(
-            GpuInfo(
-                index=int(index),
-                uuid=uuid,
-                bus_id=bus_id,
-                name=name,
-                compute_cap=cap,
-                memory_total_mib=int(total),
-                memory_free_mib=int(free),
-                driver_version=driver,
-            )
-        )
-    return gpus
-
-
-def find_gpu(gpus: Sequence[GpuInfo], selector: str) -> GpuInfo | None:
-    """The GPU ``selector`` (index, UUID or PCI bus id, as in ``engine.gpu``) names, if visible.
-
-    Indices are nvidia-smi's, which follow PCI bus order like CUDA's with
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
-    """
-    kind = gpu_kind(selector)
-    for gpu in gpus:
-        if kind == "index" and gpu.index == int(selector):
-            return gpu
-        if kind == "uuid" and gpu.uuid.lower() == selector.lower():
-            return gpu
-        if kind == "pci" and normalize_bus_id(gpu.bus_id) == normalize_bus_id(selector):
-            return gpu
-    return None
-
-
-_NO_SMI_FIX = (
-    "install the NVIDIA driver on the host and start the container with the NVIDIA Container "
-    "Toolkit (docker run --gpus ...)"
-)
-
-
-def query_gpus(probes: Probes) -> list[GpuInfo]:
-    """The GPUs nvidia-smi lists.
-
-    Raises:
-        PreflightError: nvidia-smi is missing, fails, or prints something unparsable.
-    """
-    output = probes.run(GPU_QUERY, timeout_s=30.0)
-    if output is None:
-        raise PreflightError("nvidia-smi not found: no NVIDIA driver is visible here", _NO_SMI_FIX)
-    if output.returncode != 0:
-        message = _first_line(output.stdout) or _first_line(output.stderr) or "no output"
-        raise PreflightError(
-            f"nvidia-smi failed (exit {output.returncode}): {message}",
-            "make nvidia-smi work on the host (driver loaded, GPU listed), then restart the "
-            "container",
-        )
-    try:
-        gpus = parse_gpu_query(output.stdout)
-    except ValueError as exc:
-        raise PreflightError(
-            f"cannot read nvidia-smi's GPU list: {exc}",
-            f"upgrade the NVIDIA driver to {_dotted(MIN_DRIVER)} or newer",
-        ) from exc
-    if not gpus:
-        raise PreflightError("nvidia-smi lists no GPU", _NO_SMI_FIX)
-    return gpus
-
-
-def _first_line(text: str) -> str:
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
-def _last_line(text: str) -> str:
-    for line in reversed(text.splitlines()):
-        if line.strip():
-            return line.strip()
-    return ""
-
-
-def _version(text: str | None) -> tuple[int, ...] | None:
-    """Leading numeric components of a version (``"1.3.0rc1+g12"`` -> ``(1, 3, 0)``)."""
-    if not text:
-        return None
-    match = re.match(r"^\s*(\d+(?:\.\d+)*)", text)
-    if match is None:
-        return None
-    return tuple(int(part) for part in match.group(1).split("."))
-
-
-def _dotted(version: Sequence[int]) -> str:
-    return ".".join(str(part) for part in version)
 
 
 def config_check(path: str, settings: Settings) -> CheckResult:
@@ -359,7 +98,7 @@ def probe_interpreter(
     fix = "install Python 3.12 or point engine.program at it"
     if output is None:
         return CheckResult("FAIL", "python", f"cannot run {python}: not found", fix)
-    line = _last_line(output.stdout)
+    line = last_line(output.stdout)
     try:
         data = json.loads(line)
         return Interpreter(
@@ -371,18 +110,18 @@ def probe_interpreter(
             import_error=data["import_error"],
         )
     except (ValueError, KeyError, TypeError):
-        reason = _last_line(output.stderr) or line or f"exit {output.returncode}"
+        reason = last_line(output.stderr) or line or f"exit {output.returncode}"
         return CheckResult("FAIL", "python", f"{python} failed to run a probe: {reason}", fix)
 
 
 def _python_check(found: Interpreter) -> CheckResult:
-    text = f"CPython {_dotted(found.version)} ({found.executable})"
+    text = f"CPython {dotted(found.version)} ({found.executable})"
     if found.version[:2] == REQUIRED_PYTHON:
         return CheckResult("PASS", "python", text)
     return CheckResult(
         "FAIL",
         "python",
-        f"{text}; the 1Cat-vLLM wheel is built for CPython {_dotted(REQUIRED_PYTHON)} (cp312)",
+        f"{text}; the 1Cat-vLLM wheel is built for CPython {dotted(REQUIRED_PYTHON)} (cp312)",
         "run the engine in the Ubuntu 24.04 image (Python 3.12) or point engine.program at a "
         "Python 3.12 interpreter",
     )
@@ -411,7 +150,7 @@ def _vllm_check(found: Interpreter) -> CheckResult:
             "FAIL", "vllm", f"{installed} installed but import fails: {found.import_error}", fix
         )
     version_text = dists.get(ONECAT_DIST) or found.vllm_version or dists.get("vllm") or "unknown"
-    version = _version(version_text)
+    version = parse_version(version_text)
     is_onecat = ONECAT_DIST in dists or (version is not None and version[0] >= 1)
     if not is_onecat:
         return CheckResult(
@@ -426,7 +165,7 @@ def _vllm_check(found: Interpreter) -> CheckResult:
         return CheckResult(
             "WARN",
             "vllm",
-            f"{text}; releases before {_dotted(ONECAT_PROTOCOL_BASE)} sit on an older vLLM base "
+            f"{text}; releases before {dotted(ONECAT_PROTOCOL_BASE)} sit on an older vLLM base "
             "than the wire protocol this gateway was checked against",
             "upgrade to the 1Cat-vLLM 1.3.0 wheel",
         )
@@ -453,7 +192,7 @@ def _glibc_check(probes: Probes) -> CheckResult:
         "run the engine in the Ubuntu 24.04 image (glibc 2.39); the host's glibc cannot be "
         "upgraded in place"
     )
-    need = _dotted(REQUIRED_GLIBC)
+    need = dotted(REQUIRED_GLIBC)
     if match is None:
         return CheckResult("FAIL", "glibc", f"not a glibc system ({text or 'unknown libc'})", fix)
     found = (int(match.group(1)), int(match.group(2)))
@@ -461,122 +200,11 @@ def _glibc_check(probes: Probes) -> CheckResult:
         return CheckResult(
             "FAIL",
             "glibc",
-            f"glibc {_dotted(found)} < {need}: the wheel's flash_attn_v100_cuda.so needs "
+            f"glibc {dotted(found)} < {need}: the wheel's flash_attn_v100_cuda.so needs "
             f"GLIBC_{need}",
             fix,
         )
-    return CheckResult("PASS", "glibc", f"glibc {_dotted(found)} (>= {need})")
-
-
-# -- GPU ------------------------------------------------------------------------------------
-
-
-def _gpu_checks(engine: EngineConfig, probes: Probes) -> tuple[list[CheckResult], GpuInfo | None]:
-    """``nvidia_smi``, ``gpu``, ``compute_capability``, ``gpu_memory`` and ``driver``."""
-    names = ("compute_capability", "gpu_memory", "driver")
-    try:
-        gpus = query_gpus(probes)
-    except PreflightError as exc:
-        results = [
-            CheckResult("FAIL", "nvidia_smi", str(exc), exc.fix),
-            CheckResult(
-                "FAIL",
-                "gpu",
-                f"GPU {engine.gpu} (engine.gpu) not visible: nvidia-smi gave no GPU list",
-                exc.fix,
-            ),
-        ]
-        results += [
-            CheckResult("FAIL", name, "not checked: no GPU information", "fix nvidia_smi first")
-            for name in names
-        ]
-        return results, None
-    driver = gpus[0].driver_version
-    results = [CheckResult("PASS", "nvidia_smi", f"{len(gpus)} GPU(s), driver {driver}")]
-    gpu = find_gpu(gpus, engine.gpu)
-    if gpu is None:
-        visible = "; ".join(g.describe() for g in gpus)
-        results.append(
-            CheckResult(
-                "FAIL",
-                "gpu",
-                f"no GPU matches engine.gpu = {engine.gpu!r}; visible: {visible}",
-                "set engine.gpu to the V100's index, UUID or PCI bus id as nvidia-smi -L shows it",
-            )
-        )
-        results += [
-            CheckResult("FAIL", name, "not checked: configured GPU not found", "fix gpu first")
-            for name in names
-        ]
-        return results, None
-    results.append(CheckResult("PASS", "gpu", f"engine.gpu = {engine.gpu!r} is {gpu.describe()}"))
-    results.append(_compute_check(gpu))
-    results.append(_memory_check(gpu, engine.gpu_memory_utilization))
-    results.append(_driver_check(gpu, probes))
-    return results, gpu
-
-
-def _compute_check(gpu: GpuInfo) -> CheckResult:
-    if gpu.compute_cap == REQUIRED_COMPUTE_CAP:
-        return CheckResult(
-            "PASS", "compute_capability", f"{gpu.compute_cap} ({gpu.name}, SM70 kernels)"
-        )
-    return CheckResult(
-        "FAIL",
-        "compute_capability",
-        f"GPU {gpu.index} {gpu.name} has compute capability {gpu.compute_cap}; the 1Cat-vLLM "
-        f"wheel and its FLASH_ATTN_V100 backend are built for {REQUIRED_COMPUTE_CAP} (V100) only",
-        "point engine.gpu at a V100 (compute capability 7.0), or serve newer GPUs with "
-        "upstream vLLM instead of this fork",
-    )
-
-
-def _memory_check(gpu: GpuInfo, utilization: float) -> CheckResult:
-    # vLLM's worker refuses to start when free memory is below utilization x total
-    # (vllm/v1/worker/gpu_worker.py, "Free memory on device ... is less than desired GPU memory
-    # utilization").
-    need = math.ceil(utilization * gpu.memory_total_mib)
-    text = (
-        f"GPU {gpu.index}: {gpu.memory_free_mib} MiB free of {gpu.memory_total_mib} MiB; "
-        f"gpu_memory_utilization {utilization:g} needs {need} MiB"
-    )
-    if gpu.memory_free_mib >= need:
-        return CheckResult("PASS", "gpu_memory", text)
-    return CheckResult(
-        "FAIL",
-        "gpu_memory",
-        text + " free (vLLM refuses to start with less)",
-        "stop the other processes on this GPU (nvidia-smi lists them); lowering "
-        "gpu_memory_utilization also shrinks the KV cache below one full context",
-    )
-
-
-def _driver_check(gpu: GpuInfo, probes: Probes) -> CheckResult:
-    version = _version(gpu.driver_version)
-    header = probes.run(SMI_HEADER, timeout_s=30.0)
-    cuda = None
-    if header is not None and header.returncode == 0:
-        match = re.search(r"CUDA Version:\s*(\d+\.\d+)", header.stdout)
-        cuda = _version(match.group(1)) if match else None
-    shown = f"driver {gpu.driver_version}" + (f" (CUDA {_dotted(cuda)})" if cuda else "")
-    need = _dotted(MIN_DRIVER)
-    if version is None or version < MIN_DRIVER:
-        return CheckResult(
-            "FAIL",
-            "driver",
-            f"{shown} is older than {need}, the minimum for CUDA 12.x minor-version "
-            "compatibility (NVIDIA CUDA Compatibility guide); the engine's CUDA 12.8 runtime "
-            "will not initialise",
-            f"upgrade the host's NVIDIA driver to {need} or newer (the 525 branch or later)",
-        )
-    if cuda is not None and cuda >= CUDA_TOOLKIT:
-        return CheckResult("PASS", "driver", f"{shown} runs CUDA 12.8 natively")
-    return CheckResult(
-        "PASS",
-        "driver",
-        f"{shown}: CUDA 12.8 runs through minor-version compatibility (>= {need}); SM70 code is "
-        "prebuilt, so no PTX JIT is needed",
-    )
+    return CheckResult("PASS", "glibc", f"glibc {dotted(found)} (>= {need})")
 
 
 # -- files -----------------------------------------------------------------------------------
@@ -665,6 +293,30 @@ def _checkpoint_check(model_path: str) -> CheckResult:
     )
 
 
+def draft_check(model_path: str) -> CheckResult:
+    """``draft``: the speculative-decoding draft model's directory holds a config and complete
+    safetensors shards (a draft shares the target's tokenizer, so none is required)."""
+    root = Path(model_path)
+    fix = (
+        "download the complete draft model (e.g. the DFlash2 draft) into [engine.speculative] model"
+    )
+    if not root.is_dir():
+        return CheckResult("FAIL", "draft", f"{root} is not a directory", fix)
+    shards = sorted(p.name for p in root.glob("*.safetensors"))
+    problems = [] if (root / "config.json").is_file() else ["config.json missing"]
+    if not shards:
+        problems.append("no .safetensors file")
+    problems += [f"{name} {p}" for name in shards if (p := _safetensors_problem(root / name))]
+    if problems:
+        return CheckResult("FAIL", "draft", f"{root} incomplete: {'; '.join(problems[:5])}", fix)
+    size = sum((root / name).stat().st_size for name in shards)
+    return CheckResult(
+        "PASS",
+        "draft",
+        f"{root}: config, {len(shards)} safetensors shard(s), {size / 2**30:.1f} GiB",
+    )
+
+
 def _compiler_check(env: Mapping[str, str], probes: Probes) -> CheckResult:
     # Triton's get_cc (triton/runtime/build.py): $CC, else gcc, else clang.
     path = env.get("PATH")
@@ -707,7 +359,7 @@ def _cuda_home_check(env: Mapping[str, str], probes: Probes) -> CheckResult:
     if match is None:
         return CheckResult("FAIL", "cuda_home", f"{nvcc} --version printed no release number", fix)
     release = (int(match.group(1)), int(match.group(2)))
-    text = f"CUDA_HOME={home}, nvcc {_dotted(release)}"
+    text = f"CUDA_HOME={home}, nvcc {dotted(release)}"
     if release[0] >= 13:
         return CheckResult(
             "FAIL",
@@ -722,7 +374,7 @@ def _cuda_home_check(env: Mapping[str, str], probes: Probes) -> CheckResult:
         return CheckResult(
             "WARN",
             "cuda_home",
-            f"{text}; the wheel is built with CUDA {_dotted(CUDA_TOOLKIT)}",
+            f"{text}; the wheel is built with CUDA {dotted(CUDA_TOOLKIT)}",
             fix,
         )
     return CheckResult("PASS", "cuda_home", f"{text} (tilelang)")
@@ -829,11 +481,14 @@ def _disk_check(
 
 def run_checks(settings: Settings, probes: Probes) -> list[CheckResult]:
     """Every check, in a fixed order; the GPU ones run first because the environment the others
-    probe with names the GPU."""
+    probe with names the GPUs."""
     engine = settings.engine
-    gpu_results, gpu = _gpu_checks(engine, probes)
-    visible = gpu.uuid if gpu is not None else ("" if engine.gpu_kind == "pci" else engine.gpu)
-    env, _dropped = build_launch(engine, visible_device=visible).environment(probes.environ)
+    gpu_results, gpus = gpu_checks(engine, probes)
+    if gpus is not None:
+        visible = tuple(gpu.uuid for gpu in gpus)
+    else:
+        visible = tuple("" if gpu_kind(gpu) == "pci" else gpu for gpu in engine.devices)
+    env, _dropped = build_launch(engine, visible_devices=visible).environment(probes.environ)
     python = engine_python(engine.program)
     found = probe_interpreter(python, env, probes)
     results: list[CheckResult] = []
@@ -847,6 +502,8 @@ def run_checks(settings: Settings, probes: Probes) -> list[CheckResult]:
         ]
     results += gpu_results
     results.append(_checkpoint_check(engine.model_path))
+    if engine.speculative is not None:
+        results.append(draft_check(engine.speculative.model))
     results.append(_compiler_check(env, probes))
     if isinstance(found, Interpreter):
         results.append(_headers_check(found))

@@ -406,7 +406,7 @@ def test_engine_unit_pins_the_gpu_and_mounts_model_socket_and_cache() -> None:
     """Engine: GPU by UUID, shared memory, model read-only, socket dir and cache, long start timeout."""
     service = parse_unit(UNITS["engine"])["Service"]
     (start,) = service["ExecStart"]
-    assert "--gpus device=${QWEN38_GPU}" in start
+    assert '--gpus "\\"device=${QWEN38_GPU}\\""' in start
     assert "--ipc=host" in start or re.search(r"--shm-size[ =]\d+g", start)
     assert "source=${QWEN38_MODEL_DIR},target=/models,readonly" in start
     assert "source=/run/qwen38,target=/run/qwen38 " in start

@@ -88,7 +88,7 @@ def test_pci_bus_id_needs_a_resolved_device() -> None:
     with pytest.raises(ValueError, match="PCI bus id"):
         build_launch(engine)
     uuid = "GPU-5a0c3e4f-8f1b-2d7e-91a3-0c6b2f9d4e11"
-    assert build_launch(engine, visible_device=uuid).env["CUDA_VISIBLE_DEVICES"] == uuid
+    assert build_launch(engine, visible_devices=[uuid]).env["CUDA_VISIBLE_DEVICES"] == uuid
 
 
 def test_child_environment_drops_keys_and_systemd_variables() -> None:

@@ -16,16 +16,9 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig, PreflightConfig, Settings
-from engine.preflight import (
-    GPU_QUERY,
-    CheckResult,
-    Output,
-    Probes,
-    find_gpu,
-    parse_gpu_query,
-    report,
-    run_checks,
-)
+from engine.gpus import GPU_QUERY, find_gpu, parse_gpu_query
+from engine.preflight import report, run_checks
+from engine.probes import CheckResult, Output, Probes
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "preflight"
@@ -190,9 +183,10 @@ def test_v100_reference_host_passes_every_check(host_tree: Path) -> None:
     assert {name: r.status for name, r in results.items()} == dict.fromkeys(results, "PASS")
     assert list(results) == [
         "python", "glibc", "vllm", "nvidia_smi", "gpu", "compute_capability", "gpu_memory",
-        "driver", "checkpoint", "c_compiler", "python_headers", "cuda_home", "socket_dir",
-        "shm", "cache_disk",
+        "driver", "gpu_fit", "checkpoint", "c_compiler", "python_headers", "cuda_home",
+        "socket_dir", "shm", "cache_disk",
     ]  # fmt: skip
+    assert "20.94 target + 7.78 KV = 28.72 GiB per card of 31.74 GiB" in results["gpu_fit"].detail
     assert "Tesla V100-SXM2-32GB" in results["gpu"].detail
     assert "525.105.17 (CUDA 12.0)" in results["driver"].detail
     assert "minor-version compatibility" in results["driver"].detail
