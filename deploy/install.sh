@@ -127,6 +127,7 @@ ln -sfn qwen38-cli "$sbin_dir/qwen38-gateway"
 ln -sfn qwen38-cli "$sbin_dir/qwen38-engine"
 install -m 0644 "$here/etc/gateway.toml" "$etc_dir/gateway.toml.example"
 install -m 0644 "$here/etc/engine.toml" "$etc_dir/engine.toml.example"
+install -m 0644 "$here/etc/engine.tp2.toml" "$etc_dir/engine.tp2.toml.example"
 install -m 0644 "$here/etc/api-keys.env.example" "$etc_dir/api-keys.env.example"
 install -m 0644 "$here/etc/units.env.example" "$etc_dir/units.env.example"
 while IFS= read -r -d '' file; do
