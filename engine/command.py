@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from engine.config import FORBIDDEN_ENV, EngineConfig
+from engine.config import EngineConfig
+from engine.configvalues import FORBIDDEN_ENV
 from engine.gpus import gpu_kind
 
 # systemd's notification variables belong to the launcher, not to its child (sd_notify(3)).
@@ -31,7 +32,7 @@ class Launch:
         """The child's whole environment and the inherited names that were dropped from it.
 
         Dropped: the variables engine.toml refuses (``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE`` ...,
-        see `engine.config.FORBIDDEN_ENV`) and systemd's ``NOTIFY_SOCKET``/``WATCHDOG_*``, except
+        see `engine.configvalues.FORBIDDEN_ENV`) and systemd's ``NOTIFY_SOCKET``/``WATCHDOG_*``, except
         those ``env`` sets itself (``CUDA_*``), which it overrides. The names are returned so they
         can be logged; their values never are.
         """

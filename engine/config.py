@@ -8,70 +8,35 @@ secrets (anything after ``--api-key``, ``VLLM_API_KEY``) are never echoed.
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from engine.configvalues import (
+    Check,
+    ConfigError,
+    check_bool,
+    check_env,
+    check_extra_args,
+    check_float,
+    check_gpu,
+    check_gpus,
+    check_int,
+    check_name,
+    check_path,
+    check_program,
+    check_socket,
+    check_string,
+    show,
+)
 from engine.gpus import GpuKind, gpu_kind
 from engine.tomlfile import load_toml
 
 DEFAULT_CONFIG_PATH = "/etc/qwen38/engine.toml"
 CONFIG_ENV = "QWEN38_ENGINE_CONFIG"
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-# Flags the launcher computes from engine.toml keys; in extra_args they would silently override
-# (argparse keeps the last value), so they are refused with the key to use instead.
-MANAGED_FLAGS: Mapping[str, str] = MappingProxyType(
-    {
-        "--model": "engine.model_path",
-        "--served-model-name": "engine.served_model",
-        "--uds": "engine.socket",
-        "--max-model-len": "engine.max_model_len",
-        "--kv-cache-dtype": "engine.kv_cache_dtype",
-        "--gpu-memory-utilization": "engine.gpu_memory_utilization",
-        "--max-num-seqs": "engine.max_num_seqs",
-        "--reasoning-parser": "engine.reasoning_parser",
-        "--tool-call-parser": "engine.tool_call_parser",
-        "--attention-backend": "engine.attention_backend",
-        "--enable-auto-tool-choice": "engine.tool_call_parser",
-        "--disable-fastapi-docs": "(always set)",
-        "--tensor-parallel-size": "engine.gpus (one rank per listed GPU)",
-        "-tp": "engine.gpus (one rank per listed GPU)",
-        "--speculative-config": "[engine.speculative]",
-        "-sc": "[engine.speculative]",
-    }
-)
-
-# Environment variables refused in [engine.env] and dropped from the inherited environment,
-# each with the reason (vllm-protocol.md section 1.4).
-FORBIDDEN_ENV: Mapping[str, str] = MappingProxyType(
-    {
-        "VLLM_API_KEY": (
-            "an API key on the engine breaks the gateway and is visible in the process "
-            "environment; the engine listens only on the Unix socket and the gateway checks keys"
-        ),
-        "VLLM_ATTENTION_BACKEND": (
-            "this vLLM build ignores it (removed upstream by PR #32812); set "
-            "engine.attention_backend, which becomes --attention-backend"
-        ),
-        "VLLM_SERVER_DEV_MODE": "it mounts the dev/admin routes (/sleep, /collective_rpc ...)",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "it mounts the LoRA load/unload routes",
-        "VLLM_DEBUG_LOG_API_SERVER_RESPONSE": "it logs response bodies (completions) in clear",
-        "CUDA_VISIBLE_DEVICES": "the launcher sets it from engine.gpu or engine.gpus",
-        "CUDA_DEVICE_ORDER": "the launcher sets it to PCI_BUS_ID so indices follow slot order",
-    }
-)
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the file, key and offending value."""
 
 
 @dataclass(frozen=True)
@@ -250,77 +215,14 @@ class Settings:
     source: str | None = None
 
 
-def _show(value: Any) -> str:
-    """A value as TOML-ish text for error messages."""
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _string(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key} = {_show(value)}: expected a string")
-    return value
-
-
-def _name(key: str, value: Any) -> str:
-    text = _string(key, value)
-    if not _NAME_RE.match(text):
-        raise ConfigError(f"{key} = {_show(value)}: expected a name (letters, digits, _ . -)")
-    return text
-
-
-def _path(key: str, value: Any) -> str:
-    text = _string(key, value)
-    if not text or "\x00" in text:
-        raise ConfigError(f"{key} = {_show(value)}: expected a non-empty path")
-    return text
-
-
-def _socket(key: str, value: Any) -> str:
-    text = _path(key, value)
-    if not os.path.isabs(text):
-        raise ConfigError(f"{key} = {_show(value)}: expected an absolute path")
-    # sockaddr_un.sun_path is 108 bytes including the terminating NUL (unix(7)).
-    if len(os.fsencode(text)) > 107:
-        raise ConfigError(f"{key} = {_show(value)}: longer than 107 bytes (unix(7) sun_path)")
-    return text
-
-
-def _gpu(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(
-            f'{key} = {_show(value)}: expected a string: an index ("0"), a UUID ("GPU-...") '
-            'or a PCI bus id ("00000000:00:1E.0")'
-        )
-    try:
-        gpu_kind(value)
-    except ValueError:
-        raise ConfigError(
-            f'{key} = {_show(value)}: expected one GPU as an index ("0"), a UUID '
-            '("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx") or a PCI bus id ("00000000:00:1E.0")'
-        ) from None
-    return value
-
-
-def _gpus(key: str, value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value:
-        raise ConfigError(f"{key} = {_show(value)}: expected a non-empty list of GPUs")
-    gpus = tuple(_gpu(f"{key}[{i}]", item) for i, item in enumerate(value))
-    if len({gpu.lower() for gpu in gpus}) != len(gpus):
-        raise ConfigError(f"{key} = {_show(value)}: a GPU is listed twice")
-    return gpus
-
-
 def _speculative(key: str, value: Any) -> SpeculativeConfig:
     if not isinstance(value, dict):
         raise ConfigError(f"[{key}]: expected a table")
     checks: dict[str, _Check] = {
-        "method": _name,
-        "model": _path,
-        "num_speculative_tokens": _int(0, 64),
-        "draft_tensor_parallel_size": _int(0, 64),
+        "method": check_name,
+        "model": check_path,
+        "num_speculative_tokens": check_int(0, 64),
+        "draft_tensor_parallel_size": check_int(0, 64),
     }
     values = {}
     for name, item in value.items():
@@ -333,133 +235,44 @@ def _speculative(key: str, value: Any) -> SpeculativeConfig:
     return SpeculativeConfig(**values)
 
 
-def _int(low: int, high: int) -> Callable[[str, Any], int]:
-    def check(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} = {_show(value)}: expected an integer")
-        if not low <= value <= high:
-            raise ConfigError(f"{key} = {_show(value)}: must be between {low} and {high}")
-        return value
-
-    return check
-
-
-def _float(low: float, high: float, *, low_open: bool = False) -> Callable[[str, Any], float]:
-    def check(key: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} = {_show(value)}: expected a number")
-        number = float(value)
-        too_low = number <= low if low_open else number < low
-        if not math.isfinite(number) or too_low or number > high:
-            bound = f"more than {low}" if low_open else f"at least {low}"
-            raise ConfigError(f"{key} = {_show(value)}: must be {bound} and at most {high}")
-        return number
-
-    return check
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key} = {_show(value)}: expected true or false")
-    return value
-
-
-def _program(key: str, value: Any) -> tuple[str, ...]:
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(item, str) and item for item in value)
-    ):
-        raise ConfigError(f"{key} = {_show(value)}: expected a non-empty list of non-empty strings")
-    return tuple(value)
-
-
-def _option_name(arg: str) -> str:
-    """The option an argv item sets, as vLLM's parser sees it (``--a_b=x`` -> ``--a-b``).
-
-    vLLM's FlexibleArgumentParser accepts underscores in option names and treats them as dashes.
-    """
-    return arg.split("=", 1)[0].replace("_", "-")
-
-
-def _extra_args(key: str, value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        # Not echoed: the list could hold a secret.
-        raise ConfigError(f"{key}: expected a list of strings")
-    for item in value:
-        if not item.startswith("--"):
-            continue
-        option = _option_name(item)
-        # argparse accepts unambiguous prefixes, so "--api-k" is "--api-key" too.
-        if len(option) > len("--api-") and "--api-key".startswith(option):
-            raise ConfigError(
-                f"{key}: --api-key is refused: an API key on the command line is visible in ps "
-                "and unit files, and the engine listens only on its Unix socket (the gateway "
-                "checks keys)"
-            )
-        if option in MANAGED_FLAGS:
-            raise ConfigError(
-                f"{key}: {option} is set by the launcher; use {MANAGED_FLAGS[option]} instead"
-            )
-    return tuple(value)
-
-
-def _env(key: str, value: Any) -> Mapping[str, str]:
-    if not isinstance(value, dict):
-        raise ConfigError(f'{key}: expected a table of NAME = "value"')
-    env: dict[str, str] = {}
-    for name, item in value.items():
-        dotted = f"{key}.{name}"
-        if name in FORBIDDEN_ENV:
-            raise ConfigError(f"{dotted} is refused: {FORBIDDEN_ENV[name]}")
-        if not _ENV_NAME_RE.match(name):
-            raise ConfigError(f"{dotted}: not a valid environment variable name")
-        if not isinstance(item, str):
-            raise ConfigError(f"{dotted} = {_show(item)}: expected a string")
-        if "\x00" in item:
-            raise ConfigError(f"{dotted}: contains a NUL byte")
-        env[name] = item
-    return MappingProxyType(env)
-
-
-_Check = Callable[[str, Any], Any]
+_Check = Check
 
 _ENGINE_KEYS: dict[str, _Check] = {
-    "program": _program,
-    "model_path": _path,
-    "served_model": _name,
-    "socket": _socket,
-    "gpu": _gpu,
-    "gpus": _gpus,
-    "max_model_len": _int(1, 1 << 24),
-    "kv_cache_dtype": _name,
-    "gpu_memory_utilization": _float(0.0, 1.0, low_open=True),
-    "max_num_seqs": _int(1, 4096),
-    "reasoning_parser": _name,
-    "tool_call_parser": _name,
-    "attention_backend": _name,
-    "extra_args": _extra_args,
-    "env": _env,
+    "program": check_program,
+    "model_path": check_path,
+    "served_model": check_name,
+    "socket": check_socket,
+    "gpu": check_gpu,
+    "gpus": check_gpus,
+    "max_model_len": check_int(1, 1 << 24),
+    "kv_cache_dtype": check_name,
+    "gpu_memory_utilization": check_float(0.0, 1.0, low_open=True),
+    "max_num_seqs": check_int(1, 4096),
+    "reasoning_parser": check_name,
+    "tool_call_parser": check_name,
+    "attention_backend": check_name,
+    "extra_args": check_extra_args,
+    "env": check_env,
     "speculative": _speculative,
 }
 
 _SUPERVISE_KEYS: dict[str, _Check] = {
-    "start_timeout_s": _float(0.0, 86_400.0, low_open=True),
-    "health_interval_s": _float(0.01, 3600.0),
-    "probe_timeout_s": _float(0.01, 3600.0),
-    "unhealthy_after_s": _float(0.01, 86_400.0),
-    "stop_grace_s": _float(0.0, 3600.0),
-    "warmup": _bool,
-    "warmup_max_tokens": _int(1, 4096),
-    "ready_file": _string,
-    "stall_after_s": _float(0.0, 86_400.0),
-    "status_file": _string,
+    "start_timeout_s": check_float(0.0, 86_400.0, low_open=True),
+    "health_interval_s": check_float(0.01, 3600.0),
+    "probe_timeout_s": check_float(0.01, 3600.0),
+    "unhealthy_after_s": check_float(0.01, 86_400.0),
+    "stop_grace_s": check_float(0.0, 3600.0),
+    "warmup": check_bool,
+    "warmup_max_tokens": check_int(1, 4096),
+    "ready_file": check_string,
+    "stall_after_s": check_float(0.0, 86_400.0),
+    "status_file": check_string,
 }
 
 _PREFLIGHT_KEYS: dict[str, _Check] = {
-    "min_shm_mib": _int(0, 1 << 30),
-    "min_free_disk_mib": _int(0, 1 << 40),
-    "cache_dir": _string,
+    "min_shm_mib": check_int(0, 1 << 30),
+    "min_free_disk_mib": check_int(0, 1 << 40),
+    "cache_dir": check_string,
 }
 
 _SECTIONS: dict[str, tuple[type, dict[str, _Check]]] = {
@@ -513,13 +326,13 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
     supervise = settings.supervise
     if supervise.unhealthy_after_s < supervise.health_interval_s:
         raise ConfigError(
-            f"supervise.unhealthy_after_s = {_show(supervise.unhealthy_after_s)}: must be at least "
-            f"supervise.health_interval_s ({_show(supervise.health_interval_s)})"
+            f"supervise.unhealthy_after_s = {show(supervise.unhealthy_after_s)}: must be at least "
+            f"supervise.health_interval_s ({show(supervise.health_interval_s)})"
         )
     if 0 < supervise.stall_after_s < supervise.health_interval_s:
         raise ConfigError(
-            f"supervise.stall_after_s = {_show(supervise.stall_after_s)}: must be 0 (off) or at "
-            f"least supervise.health_interval_s ({_show(supervise.health_interval_s)})"
+            f"supervise.stall_after_s = {show(supervise.stall_after_s)}: must be 0 (off) or at "
+            f"least supervise.health_interval_s ({show(supervise.health_interval_s)})"
         )
     return settings
 

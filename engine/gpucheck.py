@@ -148,7 +148,8 @@ def _compute_check(gpu: GpuInfo) -> CheckResult:
         "compute_capability",
         f"GPU {gpu.index} {gpu.name} has compute capability {gpu.compute_cap}; the 1Cat-vLLM "
         f"wheel and its FLASH_ATTN_V100 backend are built for {REQUIRED_COMPUTE_CAP} (V100) only",
-        "point engine.gpu (or engine.gpus) at V100s (compute capability 7.0), or serve newer GPUs with "
+        "point engine.gpu (or engine.gpus) at V100s (compute capability 7.0), or serve newer "
+        "GPUs with "
         "upstream vLLM instead of this fork",
     )
 
