@@ -16,8 +16,9 @@ from engine.command import Launch
 from engine.config import Settings
 from engine.health import EngineClient
 from engine.progress import StallWatch, Verdict, parse_progress
+from engine.report import Reporter
 from engine.socketfile import SupervisorError, acquire_lock, remove_stale_socket
-from engine.status import RestartReason, StatusFile
+from engine.status import RestartReason
 from engine.systemd import SystemdNotifier
 
 # Margin added to the timeouts announced to systemd with EXTEND_TIMEOUT_USEC, in seconds.
@@ -93,48 +94,18 @@ class Supervisor:
         self._settings = settings
         self._launch = launch
         self._environ = environ
-        self._notifier = notifier
         self._log = log
         self._proc: asyncio.subprocess.Process | None = None
         self._exited: asyncio.Future[int] | None = None
         self._stop: asyncio.Future[int] | None = None
         self._force: asyncio.Event | None = None
-        self._notify_failed = False
         self._spawned_at = 0.0
         self._start_deadline = 0.0
         self._warmup_failures = 0
-        self._status = StatusFile(settings.supervise.status_file, settings.supervise.stall_after_s)
-        self._status_failed = False
+        self._report = Reporter(settings.supervise, notifier, log)
         self._progress_readable: bool | None = None
 
     # -- plumbing -------------------------------------------------------------------------------
-
-    def _notify(self, *assignments: str) -> None:
-        try:
-            self._notifier.notify(*assignments)
-        except OSError as exc:
-            if not self._notify_failed:
-                self._notify_failed = True
-                self._log.warning("notify_failed", error=str(exc))
-
-    def _set_status(self, **fields: Any) -> None:
-        self._write_status(self._status.update, **fields)
-
-    def _count_restart(self, reason: RestartReason, text: str) -> None:
-        self._write_status(self._status.record_restart, reason, text)
-        self._set_status(state="exited", detail=text)
-
-    def _write_status(self, write: Any, *args: Any, **fields: Any) -> None:
-        try:
-            write(*args, **fields)
-        except OSError as exc:
-            if not self._status_failed:
-                self._status_failed = True
-                self._log.warning(
-                    "status_file_failed",
-                    path=self._settings.supervise.status_file,
-                    error=exc.strerror,
-                )
 
     def _on_signal(self, signum: int) -> None:
         assert self._stop is not None and self._force is not None
@@ -170,8 +141,8 @@ class Supervisor:
             return await self._run()
         except SupervisorError as exc:
             self._log.error("start_refused", error=str(exc))
-            self._notify(f"STATUS=not started: {exc}")
-            self._count_restart("start_refused", str(exc))
+            self._report.notify(f"STATUS=not started: {exc}")
+            self._report.restart("start_refused", str(exc))
             return 1
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -183,7 +154,7 @@ class Supervisor:
         try:
             if remove_stale_socket(engine.socket):
                 self._log.info("stale_socket_removed", socket=engine.socket)
-            self._mark_ready(False)
+            self._report.ready(False)
             env, dropped = self._launch.environment(self._environ)
             if dropped:
                 self._log.warning("env_dropped", names=list(dropped))
@@ -202,7 +173,7 @@ class Supervisor:
             self._log.info(
                 "spawn", pid=self._pid, argv=list(self._launch.argv), env=dict(self._public_env())
             )
-            self._set_status(state="loading", engine_pid=self._pid, detail="loading the model")
+            self._report.status(state="loading", engine_pid=self._pid, detail="loading the model")
             async with EngineClient(engine.socket) as client:
                 for phase in (self._wait_healthy, self._warm_up):
                     code = await self._guard(phase(client))
@@ -210,24 +181,8 @@ class Supervisor:
                         return code
                 return await self._guard_final(self._watch(client))
         finally:
-            self._mark_ready(False)
+            self._report.ready(False)
             os.close(lock)
-
-    def _mark_ready(self, ready: bool) -> None:
-        """Create or remove ``supervise.ready_file`` (the gateway's warm-up signal)."""
-        path = self._settings.supervise.ready_file
-        if not path:
-            return
-        try:
-            if ready:
-                with open(path, "w") as handle:
-                    handle.write(f"{self._pid}\n")
-            else:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            self._log.warning("ready_file_failed", path=path, error=exc.strerror)
 
     def _public_env(self) -> Mapping[str, str]:
         """The variables the launcher sets, values shown only for the ``CUDA_*`` ones."""
@@ -266,7 +221,7 @@ class Supervisor:
 
     async def _wait_healthy(self, client: EngineClient) -> Failure | None:
         supervise = self._settings.supervise
-        self._notify(
+        self._report.notify(
             f"STATUS=loading the model (engine pid {self._pid})",
             "EXTEND_TIMEOUT_USEC="
             + _usec(supervise.start_timeout_s + supervise.stop_grace_s + _SYSTEMD_MARGIN_S),
@@ -296,8 +251,8 @@ class Supervisor:
         if not supervise.warmup:
             self._log.info("warmup", skipped=True)
             return None
-        self._notify(f"STATUS=warming up (engine pid {self._pid})")
-        self._set_status(state="warming", detail="one short completion before ready")
+        self._report.notify(f"STATUS=warming up (engine pid {self._pid})")
+        self._report.status(state="warming", detail="one short completion before ready")
         budget = max(self._start_deadline - self._loop_time(), supervise.probe_timeout_s)
         result = await client.warm_up(
             self._settings.engine.served_model, supervise.warmup_max_tokens, budget
@@ -316,9 +271,9 @@ class Supervisor:
         warm = "warm" if self._warmup_failures == 0 else "warm-up failed"
         ready_detail = f"{engine.served_model} on {engine.socket} ({warm})"
         ready_status = f"STATUS=ready: {ready_detail}"
-        self._notify("READY=1", ready_status)
-        self._mark_ready(True)
-        self._set_status(state="ready", detail=ready_detail)
+        self._report.notify("READY=1", ready_status)
+        self._report.ready(True, self._pid)
+        self._report.status(state="ready", detail=ready_detail)
         self._log.info(
             "ready",
             pid=self._pid,
@@ -338,11 +293,11 @@ class Supervisor:
                 if failing:
                     failing = False
                     self._log.info("recovered", pid=self._pid, after_s=round(now - last_ok, 3))
-                    self._notify(ready_status)
-                    self._mark_ready(True)
-                    self._set_status(state="ready", detail=ready_detail)
+                    self._report.notify(ready_status)
+                    self._report.ready(True, self._pid)
+                    self._report.status(state="ready", detail=ready_detail)
                 last_ok = now
-                self._notify("WATCHDOG=1")
+                self._report.notify("WATCHDOG=1")
                 verdict = await self._read_progress(client, watch)
                 if verdict.hung:
                     text = watch.describe(verdict)
@@ -359,9 +314,11 @@ class Supervisor:
                         detail=health.detail,
                         since_healthy_s=round(silent, 3),
                     )
-                    self._notify(f"STATUS=unhealthy: {health.state} ({health.detail})")
-                    self._mark_ready(False)
-                    self._set_status(state="unhealthy", detail=f"{health.state}: {health.detail}")
+                    self._report.notify(f"STATUS=unhealthy: {health.state} ({health.detail})")
+                    self._report.ready(False)
+                    self._report.status(
+                        state="unhealthy", detail=f"{health.state}: {health.detail}"
+                    )
                 if silent >= supervise.unhealthy_after_s:
                     return Failure(
                         "unhealthy",
@@ -385,7 +342,7 @@ class Supervisor:
                 why = "no answer" if text is None else "no vllm:num_requests_running series"
                 self._log.warning("progress_unreadable", pid=self._pid, detail=why)
             self._progress_readable = readable
-        self._set_status(
+        self._report.status(
             running=progress.running if progress is not None else None,
             stalled_s=round(verdict.stalled_s, 3),
         )
@@ -420,9 +377,9 @@ class Supervisor:
         assert self._exited is not None and self._stop is not None
         reason = failure.text
         self._log.error("killing", pid=self._pid, cause=failure.reason, reason=reason)
-        self._notify(f"STATUS=killing the engine: {reason}")
-        self._mark_ready(False)
-        self._set_status(state="killing", detail=reason)
+        self._report.notify(f"STATUS=killing the engine: {reason}")
+        self._report.ready(False)
+        self._report.status(state="killing", detail=reason)
         sent = await self._kill(signal.SIGTERM, asyncio.shield(self._stop))
         text, signame = describe_exit(self._exited.result())
         self._log.error(
@@ -434,7 +391,7 @@ class Supervisor:
             exit=text,
             signal=signame,
         )
-        self._count_restart(failure.reason, reason)
+        self._report.restart(failure.reason, reason)
         return 1
 
     def _engine_exited(self) -> int:
@@ -444,8 +401,8 @@ class Supervisor:
         text, signame = describe_exit(returncode)
         self._signal_group(signal.SIGKILL)
         self._log.error("exited", pid=self._pid, returncode=returncode, signal=signame, reason=text)
-        self._notify(f"STATUS={text}")
-        self._count_restart("exited", text)
+        self._report.notify(f"STATUS={text}")
+        self._report.restart("exited", text)
         return 1
 
     async def _shutdown(self) -> int:
@@ -454,13 +411,13 @@ class Supervisor:
         signum = self._stop.result()
         name = signal.Signals(signum).name
         grace = self._settings.supervise.stop_grace_s
-        self._notify(
+        self._report.notify(
             "STOPPING=1",
             f"STATUS=stopping ({name})",
             "EXTEND_TIMEOUT_USEC=" + _usec(grace + _SYSTEMD_MARGIN_S),
         )
         self._log.info("stopping", pid=self._pid, signal=name, grace_s=grace)
-        self._set_status(state="stopping", detail=f"stopping on {name}")
+        self._report.status(state="stopping", detail=f"stopping on {name}")
         if self._exited.done():
             sent: list[str] = []
         else:
@@ -477,5 +434,5 @@ class Supervisor:
             signals=sent,
             reason=text,
         )
-        self._set_status(state="stopped", detail=text)
+        self._report.status(state="stopped", detail=text)
         return 1 if forced else 0
