@@ -17,7 +17,6 @@ from typing import Any
 
 from engine.configvalues import (
     Check,
-    ConfigError,
     check_bool,
     check_env,
     check_extra_args,
@@ -32,6 +31,7 @@ from engine.configvalues import (
     check_string,
     show,
 )
+from engine.configvalues import ConfigError as ConfigError  # part of this module's API
 from engine.gpus import GpuKind, gpu_kind
 from engine.tomlfile import load_toml
 
