@@ -7,6 +7,7 @@ Streams follow vllm-protocol.md sections 5.3-5.6; a client leaving aborts the re
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +27,8 @@ from engine.sim.wire import DONE, IN_STREAM_ERROR, ChunkEncoder
 # The only 503 body vLLM sends on API routes (elastic EP scaling, section 3.3).
 SCALING_BODY = {"error": "The model is currently scaling. Please try again later."}
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+# The exit status of the `exit_after` fault (EX_SOFTWARE of BSD sysexits.h: an internal error).
+EXIT_CRASH = 70
 
 
 def close_connection(request: web.Request) -> None:
@@ -48,6 +51,8 @@ async def entry_faults(request: web.Request, behaviour: Behaviour) -> web.Stream
         await asyncio.Event().wait()
     if behaviour.headers_delay_s:
         await asyncio.sleep(behaviour.headers_delay_s)
+    if behaviour.exit_after == 0:
+        crash()
     return None
 
 
@@ -76,13 +81,28 @@ class Pacer:
 
 
 def fault_at(behaviour: Behaviour) -> tuple[int, str | None]:
-    """(tokens before the cut, "drop" | "error" | None); a drop wins a tie."""
-    drop, error = behaviour.drop_after, behaviour.error_after
-    if drop is not None and (error is None or drop <= error):
-        return drop, "drop"
-    if error is not None:
-        return error, "error"
-    return 1 << 62, None
+    """(tokens before the cut, "exit" | "drop" | "error" | None); on a tie exit wins, then drop."""
+    faults = [
+        (count, rank, name)
+        for rank, (name, count) in enumerate(
+            (
+                ("exit", behaviour.exit_after),
+                ("drop", behaviour.drop_after),
+                ("error", behaviour.error_after),
+            )
+        )
+        if count is not None
+    ]
+    if not faults:
+        return 1 << 62, None
+    count, _, name = min(faults)
+    return count, name
+
+
+def crash() -> None:
+    """Exit the process at once, as a crashed engine does: no cleanup, the socket file stays,
+    every connection is cut by the kernel."""
+    os._exit(EXIT_CRASH)
 
 
 async def generate(
@@ -158,6 +178,9 @@ async def stream_answer(
                 for index in range(len(answers)):
                     await writer.send(encoder.role(index))
             fault = await generate(answers, behaviour, slot, trace, emit)
+            if fault == "exit":
+                await writer.flush()
+                crash()
             if fault == "drop":
                 await writer.flush()
                 slot.finish("error")
@@ -196,6 +219,8 @@ async def complete_answer(
     async with request.app[SCHEDULER].admit(prompt_tokens, arrival) as slot:
         await asyncio.sleep(behaviour.prefill_ms / 1000)
         fault = await generate(answers, behaviour, slot, trace, None)
+        if fault == "exit":
+            crash()
         if fault == "drop":
             slot.finish("error")
             trace.outcome, trace.status = "error", 0

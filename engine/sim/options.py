@@ -119,6 +119,14 @@ class Behaviour:
         default=None,
         metadata=_opt("503: answer 503 at once; close: close the connection at once"),
     )
+    exit_after: int | None = field(
+        default=None,
+        metadata=_opt(
+            "exit the whole process (status 70, no cleanup: an engine crash) after this many "
+            "tokens; 0: on arrival (after headers_delay_s), before any byte of the answer",
+            0,
+        ),
+    )
 
     def with_request(self, raw: object) -> Behaviour:
         """Overlay the request body's `"sim"` object on this behaviour.
