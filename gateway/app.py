@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
+import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -29,6 +31,7 @@ from gateway.messages_api import ANTHROPIC, count_tokens
 from gateway.metrics import Metrics
 from gateway.middleware import auth_middleware, context_middleware, error_middleware
 from gateway.proxy import model_handler, record_call
+from gateway.quarantine import Quarantine, fingerprint_key
 from gateway.reload import Reloader
 from gateway.responses_api import (
     STORE,
@@ -48,13 +51,16 @@ from gateway.state import (
     LIMITER,
     LIVE,
     METRICS,
+    QUARANTINE,
     RELOADER,
     STARTED,
     UPSTREAM,
     LiveRef,
     build_live,
 )
-from gateway.upstream import EngineState, Upstream, check_drift, poll_health
+from gateway.upstream import EngineState, EngineStatus, Upstream, check_drift, poll_health
+
+log = structlog.get_logger("gateway.app")
 
 
 def create_app(
@@ -102,11 +108,31 @@ def create_app(
         metrics,
         clock=clock,
     )
+    app[QUARANTINE] = quarantine = Quarantine(
+        settings.quarantine,
+        fingerprint_key(app[LIVE].current.salt_secret),
+        metrics,
+        health_interval_s=lambda: app[LIVE].current.settings.engine.health_interval_s,
+    )
+
+    def on_engine(previous: EngineStatus, status: EngineStatus) -> None:
+        if status == "down" and previous in ("ready", "warming"):
+            quarantine.engine_died()
+        elif status == "ready":
+            quarantine.engine_ready()
+
+    app[ENGINE_STATE].listeners.append(on_engine)
     app[DIALECTS] = {}
     app[FINISH_HOOKS] = []
 
     def on_reload(new_settings: Settings, new_keys: KeySet) -> None:
         app[LIVE].current = build_live(new_settings, new_keys)
+        # The state file stays the one the gateway started with (a restart changes it).
+        kept = dataclasses.replace(
+            new_settings.quarantine, state_file=quarantine.settings.state_file
+        )
+        quarantine.settings = kept
+        quarantine.key = fingerprint_key(app[LIVE].current.salt_secret)
         set_level(new_settings.logging.level)
         metrics.prime(new_settings.tenant_labels())
         metrics.keys_loaded.set(new_keys.key_count)
@@ -175,6 +201,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
                 lambda: app[LIVE].current.settings.engine.drift_check_interval_s,
             )
         ),
+        asyncio.create_task(_watch_quarantine(app[QUARANTINE])),
     ]
     yield
     for task in tasks:
@@ -183,6 +210,16 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await upstream.close()
+
+
+async def _watch_quarantine(quarantine: Quarantine) -> None:
+    """Pick up the operator's changes to the quarantine state file every ``poll_s``."""
+    while True:
+        await asyncio.sleep(quarantine.settings.poll_s)
+        try:
+            quarantine.refresh()
+        except OSError as exc:
+            log.error("quarantine_state_unreadable", error=type(exc).__name__)
 
 
 async def _limiter_ctx(app: web.Application) -> AsyncIterator[None]:

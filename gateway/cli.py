@@ -88,6 +88,7 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     from gateway.keys_cli import add_subcommands
+    from gateway.quarantine_cli import add_subcommands as add_quarantine_subcommands
     from gateway.usage_report import add_subcommands as add_usage_subcommands
 
     parser = argparse.ArgumentParser(
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_subcommands(sub)
     add_usage_subcommands(sub)
+    add_quarantine_subcommands(sub)
     return parser
 
 

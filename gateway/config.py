@@ -213,6 +213,27 @@ class LedgerSettings:
 
 
 @dataclass(frozen=True)
+class QuarantineSettings:
+    """``[quarantine]``: poison requests, at the engine each time it died (`gateway.quarantine`).
+
+    A request fingerprint with ``deaths`` engine deaths within ``window_s`` is refused (422
+    ``request_quarantined``) for ``duration_s``. Defaults: two deaths, because one death alone
+    is as often the engine's or the GPU's own fault; a one-hour window, long enough for a client
+    to retry through a restart of a few minutes; a day of quarantine, because a request that
+    crashed the engine twice will crash it again, and operators can clear a fingerprint any
+    time. ``state_file`` (empty: memory only, no CLI) keeps the state across restarts and is
+    what ``qwen38-gateway quarantine`` edits; the gateway re-reads it every ``poll_s``.
+    """
+
+    enabled: bool = True
+    deaths: int = 2
+    window_s: float = 3600.0
+    duration_s: float = 86_400.0
+    state_file: str = "/var/lib/qwen38/quarantine.json"
+    poll_s: float = 1.0
+
+
+@dataclass(frozen=True)
 class LoggingSettings:
     """``[logging]``: level of the JSON log on stdout."""
 
@@ -262,6 +283,7 @@ class Settings:
     auth: AuthSettings = field(default_factory=AuthSettings)
     ratelimit: RatelimitSettings = field(default_factory=RatelimitSettings)
     ledger: LedgerSettings = field(default_factory=LedgerSettings)
+    quarantine: QuarantineSettings = field(default_factory=QuarantineSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     tenants: Mapping[str, TenantSettings] = field(
         default_factory=lambda: MappingProxyType({DEFAULT_TENANT: TenantSettings()})
@@ -299,6 +321,7 @@ _SECTIONS: dict[str, type] = {
     "auth": AuthSettings,
     "ratelimit": RatelimitSettings,
     "ledger": LedgerSettings,
+    "quarantine": QuarantineSettings,
     "logging": LoggingSettings,
 }
 

@@ -235,6 +235,33 @@ class RateLimited(ClientError):
         self.retry_after_s = retry_after_s
 
 
+class RequestQuarantined(ClientError):
+    """422 ``request_quarantined``: this exact request was at the engine each time it died
+    (`gateway.quarantine`), so it is not sent again until the quarantine ends or is cleared.
+
+    422 (RFC 9110 section 15.5.21, Unprocessable Content) rather than 400: the request is well
+    formed and valid, this server cannot process it; OpenAI's and Anthropic's SDKs raise it as
+    ``UnprocessableEntityError`` and, like every 4xx but 408, 409 and 429, never retry it.
+    ``Retry-After`` gives the seconds until the quarantine ends. The message names the
+    fingerprint (a keyed hash, not the content) for the operator's ``quarantine clear``.
+    """
+
+    status = 422
+    type = "invalid_request_error"
+    code = "request_quarantined"
+    reason = "quarantined"
+
+    def __init__(self, fingerprint: str, remaining_s: float, deaths: int) -> None:
+        super().__init__(
+            f"This request was being processed each of the last {deaths} times the model "
+            f"engine failed, so it is refused for about {retry_after_header(remaining_s)} s "
+            f"(request fingerprint {fingerprint}). Change the request, or ask the operator "
+            "to clear it if it is not the cause.",
+            headers={"Retry-After": str(retry_after_header(remaining_s))},
+        )
+        self.fingerprint = fingerprint
+
+
 class UpstreamError(GatewayError):
     """502, 503 or 504: the engine failed, timed out or is not available.
 
@@ -273,13 +300,18 @@ class EngineUnavailable(UpstreamError):
 
 
 class EngineUnreachable(EngineUnavailable):
-    """503: the engine's socket refuses or is gone (engine down or loading)."""
+    """503: the engine's socket refuses or is gone (engine down or loading).
 
-    def __init__(self) -> None:
+    ``sent``: the request had been sent on an open connection that then dropped with the engine
+    (it reached the engine, which answered no byte); False when the connection was refused.
+    """
+
+    def __init__(self, *, sent: bool = False) -> None:
         super().__init__(
             "The model is not available right now (engine unreachable). Retry later.",
             retry_after_s=RETRY_AFTER_DOWN_S,
         )
+        self.sent = sent
 
 
 class EngineBusy(EngineUnavailable):

@@ -178,6 +178,22 @@ class Metrics:
             ("kind",),
             registry=registry,
         )
+        self.quarantined = Counter(
+            "gateway_quarantined_requests",
+            "Requests refused with 422 request_quarantined (at the engine at repeated deaths).",
+            ("tenant",),
+            registry=registry,
+        )
+        self.quarantine_entries = Gauge(
+            "gateway_quarantine_entries",
+            "Request fingerprints quarantined now.",
+            registry=registry,
+        )
+        self.engine_retries = Counter(
+            "gateway_engine_retries",
+            "Requests sent to the engine again after it died before answering a byte.",
+            registry=registry,
+        )
         self.engine_up = Gauge(
             "gateway_engine_up",
             "1 when the engine answers /health with 200, else 0.",
@@ -255,6 +271,7 @@ class Metrics:
         """Create the zero-valued children Prometheus alerts and dashboards expect to exist."""
         for tenant in tenant_labels:
             self.in_flight.labels(tenant)
+            self.quarantined.labels(tenant)
             for limit in RATE_LIMITS:
                 self.rate_limited.labels(tenant, limit)
             for kind in TOKEN_TYPES:

@@ -17,12 +17,19 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
 from aiohttp import web
 
 from gateway.accounting import Accounting
 from gateway.body import parse_body, read_body
 from gateway.dialects import Dialect, PlanInput
-from gateway.errors import BadRequest, EngineUnavailable, GatewayError
+from gateway.errors import (
+    BadRequest,
+    EngineUnavailable,
+    EngineUnreachable,
+    GatewayError,
+    RequestQuarantined,
+)
 from gateway.middleware import Handler
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
 from gateway.state import (
@@ -33,11 +40,14 @@ from gateway.state import (
     ENGINE_STATE,
     LIMITER,
     METRICS,
+    QUARANTINE,
     UPSTREAM,
     Caller,
     ModelCall,
     RequestContext,
 )
+
+log = structlog.get_logger("gateway.proxy")
 
 _QUEUED_COMMENT = b": queued\n\n"
 _QUEUED_COMMENT_EVERY_S = 5.0
@@ -93,6 +103,10 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     await plan_call(request, call)
     plan = call.plan
     assert plan is not None
+    quarantine = app[QUARANTINE]
+    if quarantine.enabled:
+        call.fingerprint = quarantine.fingerprint(plan.body)
+        quarantine.check(call.fingerprint, call.caller.label)
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
@@ -221,29 +235,60 @@ async def call_engine(
 
     An engine that refuses the connection is marked down at once. A request that had already
     waited in the queue keeps waiting for the engine's return for ``queued_budget`` seconds;
-    a fresh one gets 503 at once.
+    a fresh one gets 503 at once. A request the engine died under before answering a byte is
+    sent once more when the engine is ready again (within ``engine.queue_timeout_s``), unless
+    its fingerprint was quarantined by that death; one that got any byte is never sent again.
+    While at the engine the request is a quarantine suspect (`gateway.quarantine`).
     """
     assert call.plan is not None
     app = request.app
     upstream = app[UPSTREAM]
     state = app[ENGINE_STATE]
     clock = app[CLOCK]
+    quarantine = app[QUARANTINE]
+    fingerprint = call.fingerprint
     deadline = clock() + queued_budget
+    retried = False
+    token: int | None = None
     while True:
         try:
+            if fingerprint is not None:
+                quarantine.check(fingerprint, call.caller.label)  # quarantined while waiting
+                token = quarantine.started(fingerprint, call.context.request_id)
             answer = await upstream.post(
                 call.dialect.engine_path, call.plan.body, call.context.request_id
             )
             break
         except EngineUnavailable as exc:
-            state.set("down", "connection refused")
-            remaining = deadline - clock()
-            if remaining > 0 and await state.wait_ready(remaining):
-                continue
+            sent = isinstance(exc, EngineUnreachable) and exc.sent
+            if token is not None:
+                quarantine.finished(token, dropped=sent)
+                token = None
+            state.set("down", "connection dropped" if sent else "connection refused")
+            error: GatewayError = exc
+            if sent:
+                if not retried and fingerprint is not None:
+                    retried = True
+                    wait = max(deadline - clock(), call.settings.engine.queue_timeout_s)
+                    if await state.wait_ready(wait):
+                        app[METRICS].engine_retries.inc()
+                        log.warning("engine_retry", fingerprint=fingerprint)
+                        continue
+                elif fingerprint is not None:
+                    try:
+                        quarantine.check(fingerprint, call.caller.label)
+                    except RequestQuarantined as refused:
+                        error = refused
+            else:
+                remaining = deadline - clock()
+                if remaining > 0 and await state.wait_ready(remaining):
+                    continue
             if stream is None or stream.response is None:
-                raise
-            return await stream.end_with_error(exc)
+                raise error from None
+            return await stream.end_with_error(error)
         except GatewayError as exc:
+            if token is not None:
+                quarantine.finished(token, dropped=False)
             if stream is None or stream.response is None:
                 raise
             return await stream.end_with_error(exc)
@@ -266,6 +311,8 @@ async def call_engine(
         client_gone(request, call)
         raise
     finally:
+        if token is not None:
+            quarantine.finished(token, dropped=not complete or answer.broken)
         if complete:
             answer.release()
         else:

@@ -23,6 +23,7 @@ from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, Dialect
 from gateway.metrics import Metrics
+from gateway.quarantine import Quarantine
 from gateway.quota import QuotaReservation
 from gateway.ratelimit import RateLimiter, Reservation
 from gateway.reload import Reloader
@@ -182,6 +183,8 @@ class ModelCall:
         usage: the token counts.
         queued_s: seconds waited in the admission queue, once granted.
         ttft_s: seconds from arrival to the first event relayed, for streams.
+        fingerprint: the engine body's quarantine fingerprint (`gateway.quarantine`), or None
+            while the quarantine is off.
     """
 
     context: RequestContext
@@ -194,6 +197,7 @@ class ModelCall:
     usage: Usage = field(default_factory=Usage)
     queued_s: float | None = None
     ttft_s: float | None = None
+    fingerprint: str | None = None
 
     @property
     def live(self) -> Live:
@@ -215,6 +219,7 @@ ENGINE_STATE = web.AppKey("engine_state", EngineState)
 LIMITER = web.AppKey("limiter", RateLimiter)
 ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)
+QUARANTINE = web.AppKey("quarantine", Quarantine)
 RELOADER = web.AppKey("reloader", Reloader)
 CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")
 STARTED = web.AppKey("started", float)

@@ -59,6 +59,8 @@ class EngineState:
         self._clock = clock
         self._metrics = metrics
         self._ready = asyncio.Event()
+        # Called with (previous, new) status on every transition (the quarantine's deaths).
+        self.listeners: list[Callable[[EngineStatus, EngineStatus], None]] = []
         metrics.engine_up.set(0)
         metrics.engine_ready.set(0)
 
@@ -80,6 +82,8 @@ class EngineState:
         else:
             self._ready.clear()
             log.warning("engine_down" if status == "down" else f"engine_{status}", error=error)
+        for listener in self.listeners:
+            listener(previous, status)
 
     def unavailable(self) -> EngineUnavailable:
         """The 503 to answer while the engine is not ready."""
@@ -152,7 +156,7 @@ class Upstream:
 
         Raises:
             EngineUnreachable: the socket refuses or does not exist (engine down or loading),
-                or the connection dropped and the engine no longer answers.
+                or the connection dropped and the engine no longer answers (``sent`` true).
             GatewayTimeout: no answer within ``read_timeout_s``.
             EngineDisconnected: the engine dropped the connection and is still up.
         """
@@ -171,7 +175,7 @@ class Upstream:
             raise self.failed(GatewayTimeout(), exc) from exc
         except aiohttp.ClientError as exc:
             status, _ = await self.health(timeout=min(1.0, self.settings.connect_timeout_s))
-            error = EngineUnreachable() if status == "down" else EngineDisconnected()
+            error = EngineUnreachable(sent=True) if status == "down" else EngineDisconnected()
             raise self.failed(error, exc) from exc
         return UpstreamAnswer(self, response)
 
@@ -215,13 +219,14 @@ class UpstreamAnswer:
     already counted.
     """
 
-    __slots__ = ("_content", "_response", "_upstream", "status")
+    __slots__ = ("_content", "_response", "_upstream", "broken", "status")
 
     def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
         self._upstream = upstream
         self._response = response
         self._content = response.content
         self.status = response.status
+        self.broken = False  # a read failed: the connection dropped or timed out
 
     def __aiter__(self) -> UpstreamAnswer:
         return self
@@ -236,8 +241,10 @@ class UpstreamAnswer:
         try:
             data = await self._content.readany()
         except asyncio.TimeoutError as exc:
+            self.broken = True
             raise self._upstream.failed(GatewayTimeout(), exc) from exc
         except aiohttp.ClientError as exc:
+            self.broken = True
             raise self._upstream.failed(EngineDisconnected(), exc) from exc
         if not data:
             raise StopAsyncIteration
@@ -257,8 +264,10 @@ class UpstreamAnswer:
         try:
             return await self._response.read()
         except asyncio.TimeoutError as exc:
+            self.broken = True
             raise self._upstream.failed(GatewayTimeout(), exc) from exc
         except aiohttp.ClientError as exc:
+            self.broken = True
             raise self._upstream.failed(EngineDisconnected(), exc) from exc
 
     async def error(self) -> GatewayError:

@@ -216,6 +216,7 @@ def start_gateway(
         },
         "auth": {"keys_file": str(keys_file), "reload_poll_s": 0.2},
         "ledger": {"path": str(workdir / f"{name}-usage.sqlite3"), "flush_interval_s": 0.2},
+        "quarantine": {"state_file": str(workdir / f"{name}-quarantine.json"), "poll_s": 0.2},
         "logging": {"level": "debug"},
         "tenants": {
             "default": {"rpm": 10_000, "tpm": 100_000_000, "concurrency": 64},

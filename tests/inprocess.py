@@ -100,6 +100,7 @@ def write_config(directory: Path, overrides: dict[str, Any] | None = None) -> Pa
         "auth": {"keys_file": str(directory / "keys.env"), "reload_poll_s": 60.0},
         "metrics": {"enabled": False},
         "ledger": {"path": str(directory / "usage.sqlite3")},
+        "quarantine": {"state_file": str(directory / "quarantine.json")},
         "tenants": {
             "default": {"rpm": 10_000, "tpm": 100_000_000, "concurrency": 64},
             "acme": {},

@@ -1,0 +1,216 @@
+"""Poison-request quarantine with real processes: the simulator crashes on a request, a restarter
+brings it back like the launcher, the gateway retries once, then refuses that request alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.config import QuarantineSettings
+from gateway.metrics import Metrics
+from gateway.quarantine import Quarantine, fingerprint, fingerprint_key
+from tests.conftest import ALIAS, KEY_A, KEY_B, REPO, Gateway, Sim, wait_until
+
+# The simulator holds the request 1 s, then exits before any byte of an answer.
+POISON = {"headers_delay_s": 1.0, "exit_after": 0}
+
+
+class Restarter:
+    """Restarts the simulator whenever it exits, as the launcher does; counts the crashes."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.crashes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sim.proc.poll() is not None:
+                self.crashes += 1
+                time.sleep(0.3)  # a restart is not instant
+                self.sim.restart()
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def crashing(sim_factory: Any, gateway_factory: Any) -> Iterator[tuple[Gateway, Restarter]]:
+    sim = sim_factory("--tokens-per-second", "200")
+    gw = gateway_factory(sim, {"engine": {"queue_timeout_s": 30, "health_interval_s": 0.1}})
+    restarter = Restarter(sim)
+    yield gw, restarter
+    restarter.stop()
+
+
+def client(gw: Gateway, key: str = KEY_A) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url("/v1"), api_key=key, max_retries=0, timeout=60)
+
+
+def ask(gw: Gateway, key: str, sim: dict[str, Any] | None = None, content: str = "hi") -> Any:
+    extra = {"sim": sim} if sim else None
+    return client(gw, key).chat.completions.create(
+        model=ALIAS,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=8,
+        extra_body=extra,
+    )
+
+
+def test_request_that_killed_the_engine_twice_is_refused_the_third_time(
+    crashing: tuple[Gateway, Restarter],
+) -> None:
+    """A request killing the engine is retried once, then 422 request_quarantined, and the third
+    send is refused without reaching the engine; another tenant's queued request is served."""
+    gw, restarter = crashing
+    outcome: dict[str, Any] = {}
+
+    def poison() -> None:
+        try:
+            ask(gw, KEY_A, POISON)
+        except openai.APIStatusError as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=poison)
+    thread.start()
+    time.sleep(0.4)
+    other = ask(gw, KEY_B, content="queued behind the poison")  # waits through both crashes
+    thread.join(60)
+    assert other.usage.completion_tokens > 0
+    error = outcome["error"]
+    assert isinstance(error, openai.UnprocessableEntityError)
+    body = error.response.json()["error"]
+    assert body["code"] == "request_quarantined" and body["type"] == "invalid_request_error"
+    assert int(error.response.headers["Retry-After"]) > 3600
+    assert restarter.crashes == 2
+    assert gw.metric("gateway_engine_retries_total") == 1
+
+    with pytest.raises(openai.UnprocessableEntityError):
+        ask(gw, KEY_A, POISON)
+    with pytest.raises(openai.UnprocessableEntityError):
+        ask(gw, KEY_B, POISON)  # the same request from another tenant is the same poison
+    time.sleep(0.5)
+    assert restarter.crashes == 2, "a quarantined request never reaches the engine"
+    assert ask(gw, KEY_A, content="a different request").usage.completion_tokens > 0
+    assert gw.metric("gateway_quarantine_entries") == 1
+    assert gw.metric("gateway_quarantined_requests_total", tenant="acme") == 2
+    assert gw.metric("gateway_quarantined_requests_total", tenant="beta") == 1
+    fp = body["message"].split("fingerprint ")[1][:32]
+    events = [e for e in gw.logs() if e.get("event") == "engine_death_suspect"]
+    assert [e["fingerprint"] for e in events] == [fp, fp] and events[-1]["quarantined"]
+    assert "exit_after" not in gw.log_path.read_text(), "the content is never logged"
+
+    listed = cli(gw, "list")
+    assert listed.returncode == 0 and fp in listed.stdout
+    cleared = cli(gw, "clear", fp)
+    assert cleared.returncode == 0 and f"cleared {fp}" in cleared.stdout
+    assert wait_until(lambda: gw.metric("gateway_quarantine_entries") == 0, 5)
+    assert fp not in cli(gw, "list", "--all").stdout
+    assert cli(gw, "clear", fp).returncode == 1
+
+
+def cli(gw: Gateway, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "gateway", "quarantine", args[0], "--config"]
+    return subprocess.run(
+        [*command, str(gw.config_path), *args[1:]],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_request_that_streamed_a_byte_is_never_retried(
+    crashing: tuple[Gateway, Restarter],
+) -> None:
+    """The engine dying after 3 streamed tokens ends the stream with an error event, once."""
+    gw, restarter = crashing
+    payload = {
+        "model": ALIAS,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 50,
+        "sim": {"exit_after": 3},
+    }
+    with httpx.stream(
+        "POST",
+        gw.url("/v1/chat/completions"),
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        json=payload,
+        timeout=30,
+    ) as resp:
+        text = resp.read().decode()
+    assert resp.status_code == 200
+    assert '"error"' in text.rsplit("data: ", 1)[-1]
+    assert wait_until(lambda: restarter.crashes == 1, 5)
+    time.sleep(1.0)
+    assert restarter.crashes == 1 and gw.metric("gateway_engine_retries_total") == 0
+    assert gw.metric("gateway_quarantine_entries") == 0, "one death is not enough"
+
+
+def make_quarantine(tmp_path: Path, **settings: Any) -> Quarantine:
+    config = QuarantineSettings(state_file=str(tmp_path / "q.json"), **settings)
+    return Quarantine(config, fingerprint_key(b"secret"), Metrics(CollectorRegistry()))
+
+
+def test_fingerprint_ignores_ids_and_salts_and_depends_on_the_secret() -> None:
+    """Two sends of one request match whatever their request id, salt or key order; content and
+    the server secret change it."""
+    key = fingerprint_key(b"secret")
+    a = json.dumps({"model": "m", "messages": [1], "request_id": "x", "cache_salt": "s1"})
+    b = json.dumps({"cache_salt": "s2", "request_id": "y", "messages": [1], "model": "m"})
+    assert fingerprint(key, a.encode()) == fingerprint(key, b.encode())
+    assert fingerprint(key, a.encode()) != fingerprint(key, a.replace("[1]", "[2]").encode())
+    assert fingerprint(fingerprint_key(b"other"), a.encode()) != fingerprint(key, a.encode())
+    assert len(fingerprint(key, b"not json")) == 32
+
+
+def test_only_requests_at_the_engine_are_suspects(tmp_path: Path) -> None:
+    """A death marks the running and the just-dropped requests, never those that finished; two
+    deaths within the window quarantine, and the state survives in the file."""
+    q = make_quarantine(tmp_path)
+    running = q.started("aa" * 16, "r1")
+    done = q.started("bb" * 16, "r2")
+    q.finished(done, dropped=False)
+    q.engine_died()
+    q.finished(running, dropped=True)  # the same death, seen later by the request itself
+    q.engine_ready()
+    assert not q.entries()
+    again = q.started("aa" * 16, "r3")
+    q.finished(again, dropped=True)
+    assert q.engine_died() == ["aa" * 16]
+    assert list(q.entries()) == ["aa" * 16]
+    assert list(make_quarantine(tmp_path).entries()) == ["aa" * 16]
+
+
+def test_deaths_outside_the_window_do_not_add_up(tmp_path: Path) -> None:
+    """Two deaths further apart than quarantine.window_s quarantine nothing."""
+    now = [1000.0]
+    q = Quarantine(
+        QuarantineSettings(state_file=str(tmp_path / "q.json"), window_s=60),
+        fingerprint_key(b"secret"),
+        Metrics(CollectorRegistry()),
+        clock=lambda: now[0],
+    )
+    for _ in range(2):
+        q.started("cc" * 16, "r")
+        q.engine_died()
+        q.engine_ready()
+        now[0] += 61
+    assert not q.entries()
