@@ -155,6 +155,22 @@ async def test_rate_limit_is_429_until_the_clock_refills_it(aiohttp_client: Any)
         assert (await stack.client.post(CHAT, json=chat_body(), headers=AUTH_A)).status == 200
 
 
+async def test_a_body_that_stops_arriving_is_408(aiohttp_client: Any) -> None:
+    """An upload that pauses longer than ``server.body_timeout_s`` is 408 and the connection
+    is closed; nothing reaches the engine."""
+    async with open_stack(aiohttp_client, {"server": {"body_timeout_s": 0.1}}) as stack:
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield b'{"messages": ['
+            await asyncio.sleep(2)
+            yield b"]}"
+
+        r = await stack.client.post(CHAT, data=stalled(), headers=AUTH_A)
+        assert r.status == 408 and r.headers.get("Connection", "").lower() == "close"
+        assert (await r.json())["error"]["code"] == "request_timeout"
+        assert stack.sim is not None and stack.sim.model_records() == []
+
+
 # -------------------------------------------------------------------------- JSON answers
 
 
