@@ -90,12 +90,18 @@ def build_model(python: Path, out: Path) -> None:
         raise EngineUnavailable(f"building the tiny model failed: {result.stderr[-3000:]}")
 
 
-def engine_toml(kind: Kind, workdir: Path, python: Path, model: Path) -> dict[str, Any]:
-    """deploy/etc/engine.cpu.toml with this session's paths; the simulator gets its own program."""
+def engine_toml(
+    kind: Kind, workdir: Path, python: Path, model: Path, max_model_len: int = MAX_MODEL_LEN
+) -> dict[str, Any]:
+    """deploy/etc/engine.cpu.toml with this session's paths; the simulator gets its own program.
+
+    ``max_model_len`` may go up to the tiny model's `tests.realengine.model.MAX_POSITIONS`.
+    """
     config = tomllib.loads(CPU_CONFIG.read_text())
     engine = config["engine"]
     engine["socket"] = str(workdir / "engine.sock")
-    engine["max_model_len"] = MAX_MODEL_LEN
+    engine["max_model_len"] = max_model_len
+
     engine["served_model"] = SERVED_MODEL
     config["supervise"]["ready_file"] = str(workdir / "engine.ready")
     if kind == "real":
@@ -228,7 +234,9 @@ class LaunchedEngine:
         return self.log_path.read_text(errors="replace")[-chars:]
 
 
-def launch(kind: Kind, workdir: Path, python: Path | None = None) -> LaunchedEngine:
+def launch(
+    kind: Kind, workdir: Path, python: Path | None = None, max_model_len: int = MAX_MODEL_LEN
+) -> LaunchedEngine:
     """Write the engine.toml for ``kind`` in ``workdir``, start the launcher, wait until ready.
 
     For ``real``, ``python`` is the engine's interpreter; the tiny model is built first.
@@ -241,7 +249,7 @@ def launch(kind: Kind, workdir: Path, python: Path | None = None) -> LaunchedEng
     if kind == "real":
         assert python is not None
         build_model(python, model)
-    config = engine_toml(kind, workdir, python or Path(sys.executable), model)
+    config = engine_toml(kind, workdir, python or Path(sys.executable), model, max_model_len)
     config_path = workdir / f"engine-{kind}.toml"
     config_path.write_text(_toml(config))
     engine = LaunchedEngine(

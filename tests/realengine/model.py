@@ -57,6 +57,9 @@ MARKUP_TOKENS = (
     "</function>\n",
 )
 REASONING = ("Okay", ",", " let", " me", " think", ".")
+# RoPE positions the checkpoint declares: vLLM computes its rotary table this far, so a prompt
+# reaches the marker heads intact up to here (Claude Code's first request is ~30,000 tokens).
+MAX_POSITIONS = 65536
 ANSWER = ("Hello", " from", " the", " tiny", " model", "!")
 TOOL_CALL = (
     "<tool_call>",
@@ -294,7 +297,7 @@ def model_config(tokenizer: PreTrainedTokenizerFast, vocab: int) -> dict[str, ob
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
         "hidden_act": "silu",
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": MAX_POSITIONS,
         "rms_norm_eps": 1e-6,
         "rope_theta": ROPE_THETA,
         "rope_scaling": None,
