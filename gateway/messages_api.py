@@ -48,7 +48,7 @@ class TranslatedPlan(RequestPlan):
 def plan_translated(given: PlanInput, translated: Translated) -> TranslatedPlan:
     """Plan the chat body of a translated request exactly as a chat request is planned."""
     if translated.dropped_tools:
-        events.info("tools_dropped", tools=translated.dropped_tools[:20])
+        events.debug("tools_dropped", tools=translated.dropped_tools[:20])
     base = plan_request(
         translated.chat,
         "chat",
