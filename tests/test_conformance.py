@@ -193,6 +193,24 @@ def test_stream_without_include_usage_has_no_usage_chunk(engine_gateway: Gateway
     assert seen["usage"] is None and seen["choices"][0]["content"]
 
 
+def test_stream_continuous_usage_when_asked(engine_gateway: Gateway) -> None:
+    """continuous_usage_stats asked for: running usage on every chunk, ending at the total."""
+    stream = client(engine_gateway).chat.completions.create(
+        model=ALIAS,
+        messages=HELLO,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body=THINKING_OFF,
+    )
+    chunks = list(stream)
+    running = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert running and len(running) == len([c for c in chunks if c.choices])
+    assert running == sorted(running)
+    assert chunks[-1].usage is not None and not chunks[-1].choices
+    assert_usage(chunks[-1].usage)
+    assert running[-1] == chunks[-1].usage.completion_tokens
+
+
 # -------------------------------------------------------------------------------------- choices
 
 
