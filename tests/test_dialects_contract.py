@@ -203,3 +203,33 @@ def test_keepalive_comments_on_responses_during_prefill(
     assert text.index(": keepalive") < text.index("response.output_item.added")
     last = [block for block in text.split("\n\n") if block.startswith("event: ")][-1]
     assert json.loads(last.split("data: ", 1)[1])["type"] == "response.completed"
+
+
+def test_full_queue_is_overloaded_on_messages(sim_factory: Any, gateway_factory: Any) -> None:
+    """The engine busy and the queue full with other tenants' requests: /v1/messages answers 529
+    overloaded_error with Retry-After, /v1/responses 503 in OpenAI's shape."""
+    sim = sim_factory("--tokens-per-second", "5", "--completion-tokens", "60")
+    gw = gateway_factory(sim, {"engine": {"max_concurrency": 1, "queue_size": 1}})
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            busy = asyncio.create_task(
+                c.post(gw.url(MESSAGES), headers=auth(KEY_A), json=messages_body(max_tokens=60))
+            )
+            await asyncio.sleep(0.5)
+            queued = asyncio.create_task(
+                c.post(gw.url(RESPONSES), headers=auth(KEY_A), json=responses_body(max_tokens=60))
+            )
+            await asyncio.sleep(0.5)
+            over = await c.post(gw.url(MESSAGES), headers=auth(KEY_B), json=messages_body())
+            over_r = await c.post(gw.url(RESPONSES), headers=auth(KEY_B), json=responses_body())
+            for task in (busy, queued):
+                task.cancel()
+            await asyncio.gather(busy, queued, return_exceptions=True)
+            return over, over_r
+
+    over, over_r = asyncio.run(run())
+    assert over.status_code == 529
+    assert over.json()["error"]["type"] == "overloaded_error"
+    assert int(over.headers["retry-after"]) >= 1
+    assert over_r.status_code == 503 and over_r.json()["error"]["code"] == "engine_unavailable"
