@@ -15,50 +15,23 @@ admission ticket; it counts as one request against the tenant's requests-per-min
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
 from typing import Any
 
-import structlog
 from aiohttp import web
 
 from gateway.body import parse_body, read_body
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput
 from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
-from gateway.rewrite import RequestPlan, plan_request, resolve_thinking
+from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
 from gateway.state import CONTEXT, ENGINE_STATE, LIMITER, UPSTREAM
 from gateway.translate.anthropic_errors import anthropic_error, anthropic_error_bytes
 from gateway.translate.anthropic_request import translate_messages
 from gateway.translate.anthropic_stream import PING_EVENT, AnthropicWriter, sse
 from gateway.translate.chat_events import answer_events
-from gateway.translate.common import Translated
+from gateway.translate.plan import TranslatedPlan, plan_translated
 from gateway.translate.relay import TranslatingRelay, Writer
-
-events = structlog.get_logger("gateway")
-
-
-@dataclass(frozen=True)
-class TranslatedPlan(RequestPlan):
-    """A `RequestPlan` that remembers the dialect request it came from (`Translated`)."""
-
-    translated: Translated | None = None
-
-
-def plan_translated(given: PlanInput, translated: Translated) -> TranslatedPlan:
-    """Plan the chat body of a translated request exactly as a chat request is planned."""
-    if translated.dropped_tools:
-        events.debug("tools_dropped", tools=translated.dropped_tools[:20])
-    base = plan_request(
-        translated.chat,
-        "chat",
-        settings=given.settings,
-        tenant=given.tenant,
-        request_id=given.request_id,
-        salt_secret=given.salt_secret,
-    )
-    values = {f.name: getattr(base, f.name) for f in fields(RequestPlan)}
-    return TranslatedPlan(**values, translated=translated)
 
 
 def _plan(given: PlanInput) -> RequestPlan:

@@ -23,11 +23,11 @@ from aiohttp import web
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput
 from gateway.errors import BadRequest, GatewayError, NotFound
-from gateway.messages_api import TranslatedPlan, plan_translated
 from gateway.rewrite import RequestPlan
 from gateway.sse import SseRelay
 from gateway.state import CONTEXT
 from gateway.translate.chat_events import answer_events
+from gateway.translate.plan import TranslatedPlan, plan_translated
 from gateway.translate.relay import TranslatingRelay, Writer
 from gateway.translate.responses_errors import failure_code, responses_error_bytes
 from gateway.translate.responses_request import translate_responses

@@ -10,6 +10,7 @@ context checks. Assertions are about the APIs' shape and meaning, not token text
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,27 @@ R_TOOL = {
 SIM_NO_TOOL_CALLS = pytest.mark.sim_pending("answers tool requests with text, not a tool call")
 
 
+OPEN: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """SDK clients made by a test are closed after it (no socket left to the collector)."""
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
 def messages_client(gw: Gateway) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=gw.base_url, api_key=KEY_A, max_retries=0, timeout=60)
+    made = anthropic.Anthropic(base_url=gw.base_url, api_key=KEY_A, max_retries=0, timeout=60)
+    OPEN.append(made)
+    return made
 
 
 def responses_client(gw: Gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, max_retries=0, timeout=60)
+    made = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, max_retries=0, timeout=60)
+    OPEN.append(made)
+    return made
 
 
 def recorded(name: str) -> dict[str, Any]:

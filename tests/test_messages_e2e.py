@@ -68,9 +68,22 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         sim.stop()
 
 
+OPEN: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """SDK clients made by a test are closed after it (no socket left to the collector)."""
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
 def client(gw: Gateway, key: str = KEY_A, **kwargs: Any) -> anthropic.Anthropic:
     """The SDK with x-api-key auth (its default), no retries."""
-    return anthropic.Anthropic(base_url=gw.base_url, api_key=key, max_retries=0, **kwargs)
+    made = anthropic.Anthropic(base_url=gw.base_url, api_key=key, max_retries=0, **kwargs)
+    OPEN.append(made)
+    return made
 
 
 def last_engine_body(gw: Gateway) -> dict[str, Any]:

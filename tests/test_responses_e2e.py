@@ -56,8 +56,21 @@ def gw() -> Iterator[Gateway]:
         sim.stop()
 
 
+OPEN: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """SDK clients made by a test are closed after it (no socket left to the collector)."""
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
 def client(gw: Gateway, key: str = KEY_A) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.url("/v1"), api_key=key, max_retries=0)
+    made = openai.OpenAI(base_url=gw.url("/v1"), api_key=key, max_retries=0)
+    OPEN.append(made)
+    return made
 
 
 def last_engine_body(gw: Gateway) -> dict[str, Any]:
