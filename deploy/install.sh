@@ -47,6 +47,7 @@ share_dir=$destdir/usr/local/share/qwen38
 doc_dir=$destdir/usr/local/share/doc/qwen38
 run_dir=$destdir/run/qwen38
 cache_dir=$destdir/var/cache/qwen38
+state_dir=$destdir/var/lib/qwen38
 keys_file=$etc_dir/api-keys.env
 units_env=$etc_dir/units.env
 
@@ -110,7 +111,7 @@ if live; then
 fi
 
 # --- directories -----------------------------------------------------------------------------
-install -d -m 0750 "${owned[@]}" "$etc_dir" "$run_dir" "$cache_dir"
+install -d -m 0750 "${owned[@]}" "$etc_dir" "$run_dir" "$cache_dir" "$state_dir"
 install -d -m 0755 "$unit_dir" "$tmpfiles_dir" "$sbin_dir" "$share_dir" "$doc_dir"
 
 # --- files that are ours: replaced every run -------------------------------------------------

@@ -416,13 +416,15 @@ def test_engine_unit_pins_the_gpu_and_mounts_model_socket_and_cache() -> None:
 
 
 def test_gateway_unit_publishes_8000_mounts_config_directory_and_reloads_with_sighup() -> None:
-    """Gateway: host network, /etc/qwen38 as a read-only directory, SIGHUP reload, soft engine dep."""
+    """Gateway: host network, /etc/qwen38 read-only, /var/lib/qwen38 writable (ledger, quarantine),
+    SIGHUP reload, soft engine dep."""
     unit = parse_unit(UNITS["gateway"])
     service = unit["Service"]
     (start,) = service["ExecStart"]
     assert "--network host" in start
     assert "--mount type=bind,source=/etc/qwen38,target=/etc/qwen38,readonly" in start
     assert "--mount type=bind,source=/run/qwen38,target=/run/qwen38,readonly" in start
+    assert "--mount type=bind,source=/var/lib/qwen38,target=/var/lib/qwen38 " in start
     assert service["ExecReload"] == ["docker kill --signal HUP qwen38-gateway"]
     assert "qwen38-engine.service" in " ".join(unit["Unit"]["Wants"]).split()
     for key in ("Requires", "After", "BindsTo", "Requisite"):
@@ -449,10 +451,12 @@ def test_unit_variables_are_all_defined_in_units_env_example() -> None:
 
 
 def test_tmpfiles_snippet_recreates_the_socket_directory() -> None:
-    """tmpfiles.d creates /run/qwen38 and /var/cache/qwen38, 0750, owned by qwen38."""
+    """tmpfiles.d creates /run/qwen38, /var/cache/qwen38 and /var/lib/qwen38, 0750, owned by
+    qwen38."""
     lines = logical_lines(TMPFILES.read_text())
     assert "d /run/qwen38 0750 qwen38 qwen38 -" in lines
     assert "d /var/cache/qwen38 0750 qwen38 qwen38 -" in lines
+    assert "d /var/lib/qwen38 0750 qwen38 qwen38 -" in lines
 
 
 # --- scripts ----------------------------------------------------------------------------------
@@ -540,7 +544,7 @@ def test_destdir_install_lays_files_and_prints_the_first_key_once(tmp_path: Path
     assert [(k.tenant, k.hashed) for k in keys.api_keys] == [("default", False)]
     assert keys.api_keys[0].digest == secret_digest(secret)
     assert re.fullmatch(r"[0-9a-f]{64}", keys.setting("QWEN38_CACHE_SALT_SECRET") or "")
-    for name in ("etc/qwen38", "run/qwen38", "var/cache/qwen38"):
+    for name in ("etc/qwen38", "run/qwen38", "var/cache/qwen38", "var/lib/qwen38"):
         assert after_first[name][:2] == ("dir", 0o750), name
     for unit in UNITS.values():
         installed = destdir / "etc/systemd/system" / unit.name
