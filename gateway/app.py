@@ -14,7 +14,6 @@ import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
-import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -59,8 +58,6 @@ from gateway.state import (
     build_live,
 )
 from gateway.upstream import EngineState, EngineStatus, Upstream, check_drift, poll_health
-
-log = structlog.get_logger("gateway.app")
 
 
 def create_app(
@@ -216,10 +213,7 @@ async def _watch_quarantine(quarantine: Quarantine) -> None:
     """Pick up the operator's changes to the quarantine state file every ``poll_s``."""
     while True:
         await asyncio.sleep(quarantine.settings.poll_s)
-        try:
-            quarantine.refresh()
-        except OSError as exc:
-            log.error("quarantine_state_unreadable", error=type(exc).__name__)
+        quarantine.refresh()
 
 
 async def _limiter_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -307,10 +307,14 @@ class Quarantine:
         return result
 
     def refresh(self) -> None:
-        """Re-read the state file if it changed (an operator's clear) and update the gauge."""
+        """Re-read the state file if it changed (an operator's clear) and update the gauge; an
+        unreadable file is logged and the last state kept."""
         if self._file is not None:
-            mtime = self._file.mtime()
-            if mtime != self._mtime:
-                self._records = self._file.read()
-                self._mtime = mtime
+            try:
+                mtime = self._file.mtime()
+                if mtime != self._mtime:
+                    self._records = self._file.read()
+                    self._mtime = mtime
+            except OSError as exc:
+                log.error("quarantine_state_unreadable", error=type(exc).__name__)
         self._metrics.quarantine_entries.set(len(self.entries()))

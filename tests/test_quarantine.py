@@ -214,3 +214,11 @@ def test_deaths_outside_the_window_do_not_add_up(tmp_path: Path) -> None:
         q.engine_ready()
         now[0] += 61
     assert not q.entries()
+
+
+def test_unreadable_state_file_keeps_the_last_state(tmp_path: Path) -> None:
+    """A state file that cannot be read (a directory in its place) is logged, not fatal."""
+    (tmp_path / "q.json").mkdir()
+    q = make_quarantine(tmp_path)
+    q.refresh()
+    assert not q.entries()
