@@ -50,6 +50,29 @@ def read_launcher_status(path: str) -> dict[str, Any] | None:
     return data
 
 
+HANG_RECENT_S = 60.0
+"""A hang restart this recent (seconds) is the death a request just saw."""
+
+
+def killed_for_hang(path: str, now: float) -> bool:
+    """True when the launcher is killing the engine for a hang, or restarted it for one within
+    `HANG_RECENT_S` of ``now`` (Unix seconds): the death a request just saw was a hang.
+
+    The launcher writes ``state: killing`` with a ``detail`` starting ``hung`` before it
+    signals the engine, and ``last_restart: {"reason": "hang", "at": ...}`` once it ended.
+    """
+    data = read_launcher_status(path) if path else None
+    if data is None:
+        return False
+    if data.get("state") == "killing" and str(data.get("detail") or "").startswith("hung"):
+        return True
+    last = data.get("last_restart")
+    if isinstance(last, dict) and last.get("reason") == "hang":
+        at = _number(last.get("at"))
+        return at is not None and 0 <= now - at <= HANG_RECENT_S
+    return False
+
+
 class LauncherStatusCollector(Collector):
     """Exports the status file named by ``path()`` (read at each collect; "" means none).
 

@@ -16,6 +16,7 @@ path: success, error, client disconnect, cancellation.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 from aiohttp import web
@@ -30,6 +31,7 @@ from gateway.errors import (
     GatewayError,
     RequestQuarantined,
 )
+from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
 from gateway.state import (
@@ -228,6 +230,13 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
     return await call_engine(request, call, stream, queued_budget)
 
 
+def _hang_kill(call: ModelCall) -> bool:
+    """The engine died because the launcher killed it for a hang (its status file says so):
+    sending the request again would hang the engine for another ``stall_after_s``."""
+    path = call.settings.engine.launcher_status_file
+    return bool(path) and killed_for_hang(path, time.time())
+
+
 async def call_engine(
     request: web.Request, call: ModelCall, stream: ClientStream | None, queued_budget: float
 ) -> web.StreamResponse:
@@ -237,7 +246,8 @@ async def call_engine(
     waited in the queue keeps waiting for the engine's return for ``queued_budget`` seconds;
     a fresh one gets 503 at once. A request the engine died under before answering a byte is
     sent once more when the engine is ready again (within ``engine.queue_timeout_s``), unless
-    its fingerprint was quarantined by that death; one that got any byte is never sent again.
+    its fingerprint was quarantined by that death or the launcher killed the engine for a hang;
+    one that got any byte is never sent again.
     While at the engine the request is a quarantine suspect (`gateway.quarantine`).
     """
     assert call.plan is not None
@@ -267,7 +277,7 @@ async def call_engine(
             state.set("down", "connection dropped" if sent else "connection refused")
             error: GatewayError = exc
             if sent:
-                if not retried and fingerprint is not None:
+                if not retried and fingerprint is not None and not _hang_kill(call):
                     retried = True
                     wait = max(deadline - clock(), call.settings.engine.queue_timeout_s)
                     if await state.wait_ready(wait):

@@ -222,3 +222,25 @@ def test_unreadable_state_file_keeps_the_last_state(tmp_path: Path) -> None:
     q = make_quarantine(tmp_path)
     q.refresh()
     assert not q.entries()
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        ({"state": "killing", "detail": "hung: no progress for 1800 s"}, True),
+        ({"state": "ready", "last_restart": {"reason": "hang", "at": 990.0}}, True),
+        ({"state": "ready", "last_restart": {"reason": "hang", "at": 100.0}}, False),
+        ({"state": "killing", "detail": "unhealthy: /health failed"}, False),
+        ({"state": "ready", "last_restart": {"reason": "exited", "at": 990.0}}, False),
+    ],
+)
+def test_a_hang_kill_is_told_apart_from_a_crash(
+    tmp_path: Path, status: dict[str, Any], expected: bool
+) -> None:
+    """The launcher's status file says when the engine was killed for a hang (no retry then)."""
+    from gateway.launcher_status import killed_for_hang
+
+    path = tmp_path / "status.json"
+    path.write_text(json.dumps({"format": 1, **status}))
+    assert killed_for_hang(str(path), 1000.0) is expected
+    assert killed_for_hang(str(tmp_path / "absent.json"), 1000.0) is False
