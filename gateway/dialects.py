@@ -80,6 +80,8 @@ class Dialect:
             None for none (OpenAI's APIs: the engine's own timing shows).
         api_key_header: a header that may carry the API key instead of ``Authorization``
             (Anthropic's ``x-api-key``), or None.
+        limit_headers: the rate-limit headers of an answer in this API's names (Anthropic's
+            ``anthropic-ratelimit-*``); identity for OpenAI's ``x-ratelimit-*``.
     """
 
     name: str
@@ -92,6 +94,7 @@ class Dialect:
     adapt_error: Callable[[GatewayError], GatewayError] = lambda error: error
     keepalive: bytes | None = None
     api_key_header: str | None = None
+    limit_headers: Callable[[dict[str, str]], dict[str, str]] = lambda headers: headers
 
 
 def _openai_planner(kind: Kind) -> Callable[[PlanInput], RequestPlan]:

@@ -26,7 +26,11 @@ from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
 from gateway.state import CONTEXT, ENGINE_STATE, LIMITER, UPSTREAM
-from gateway.translate.anthropic_errors import anthropic_error, anthropic_error_bytes
+from gateway.translate.anthropic_errors import (
+    anthropic_error,
+    anthropic_error_bytes,
+    anthropic_headers,
+)
 from gateway.translate.anthropic_request import translate_messages
 from gateway.translate.anthropic_stream import PING_EVENT, AnthropicWriter, sse
 from gateway.translate.chat_events import answer_events
@@ -93,6 +97,7 @@ ANTHROPIC = Dialect(
     adapt_error=_adapt,
     keepalive=PING_EVENT,
     api_key_header="x-api-key",
+    limit_headers=anthropic_headers,
 )
 
 
@@ -148,4 +153,6 @@ async def count_tokens(request: web.Request) -> web.Response:
             raise answer.failed(EngineBadResponse())
     finally:
         await limiter.settle(reservation, 0)
-    return web.json_response({"input_tokens": count}, headers=reservation.headers)
+    return web.json_response(
+        {"input_tokens": count}, headers=anthropic_headers(reservation.headers)
+    )

@@ -58,7 +58,7 @@ class ClientStream:
         if self.response is None:
             headers = dict(SSE_HEADERS)
             if self._call.reservation is not None:
-                headers.update(self._call.reservation.headers)
+                headers.update(self._call.dialect.limit_headers(self._call.reservation.headers))
             response = web.StreamResponse(status=200, headers=headers)
             response.headers["x-request-id"] = self._call.context.request_id
             await response.prepare(self._request)
@@ -244,7 +244,11 @@ async def relay_json(call: ModelCall, answer: UpstreamAnswer) -> web.Response:
     return web.Response(
         body=json.dumps(answer_body, ensure_ascii=False, separators=(",", ":")).encode(),
         content_type="application/json",
-        headers=call.reservation.headers if call.reservation is not None else None,
+        headers=(
+            call.dialect.limit_headers(call.reservation.headers)
+            if call.reservation is not None
+            else None
+        ),
     )
 
 

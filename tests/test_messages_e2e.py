@@ -242,6 +242,9 @@ def test_bearer_auth_beta_query_and_no_version_header(gw: Gateway) -> None:
         timeout=30,
     )
     assert r.status_code == 200 and r.json()["type"] == "message"
+    assert r.headers["anthropic-ratelimit-requests-limit"] == "10000"
+    assert r.headers["anthropic-ratelimit-tokens-reset"].endswith("Z")
+    assert "x-ratelimit-limit-requests" not in r.headers
 
 
 # ------------------------------------------------------------------------ recorded bodies
@@ -263,6 +266,7 @@ def test_claude_code_recorded_request_replayed(gw: Gateway) -> None:
     for _, data in events:
         EVENT.validate_python(data)
     assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    assert r.headers["anthropic-ratelimit-tokens-limit"] == "100000000"
     sent = last_engine_body(gw)
     assert "x-anthropic-billing-header" not in json.dumps(sent)
     assert sent["max_tokens"] == 32000 and len(sent["tools"]) == 24
