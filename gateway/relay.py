@@ -69,14 +69,18 @@ class ClientStream:
         """Write to the stream; a client that stops reading counts as gone after the timeout.
 
         The timer is armed only when data already waits in the socket's user-space buffer (the
-        client is behind), so a client that keeps up costs one plain write.
+        client is behind) or when this write alone can fill it (an engine that lagged sends many
+        tokens in one event), so a client that keeps up costs one plain write.
 
         Raises:
             ConnectionResetError: the client went away (`ClientStalled` when it stopped reading).
         """
         response = self.response or await self.start()
         transport = self._request.transport
-        if transport is None or not transport.get_write_buffer_size():
+        if transport is None or (
+            not transport.get_write_buffer_size()
+            and len(data) <= transport.get_write_buffer_limits()[1]
+        ):
             await response.write(data)
             return
         try:
