@@ -1,4 +1,4 @@
-"""Back-pressure: a client that stops reading holds the engine back instead of growing the gateway."""
+"""Back-pressure: a client that stops reading does not grow the gateway, whatever the engine does."""
 
 from __future__ import annotations
 
@@ -55,8 +55,10 @@ def stalled_client(gw: Gateway, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def test_client_that_does_not_read_holds_back_the_engine(sim_factory, gateway_factory) -> None:
-    """A stalled reader makes the engine stop at the socket buffers; gateway RSS stays flat."""
+def test_client_that_does_not_read_leaves_the_gateway_flat(sim_factory, gateway_factory) -> None:
+    """A stalled reader: the engine generates on, as vLLM does (its API server merges what it
+    cannot send into one event), while the gateway holds back at its socket buffers and its
+    RSS stays flat."""
     sim = sim_factory()
     gw = gateway_factory(sim)
     body = {
@@ -77,8 +79,11 @@ def test_client_that_does_not_read_holds_back_the_engine(sim_factory, gateway_fa
             if now == last and now > 0:
                 break
             last = now
-        growth = rss_kib(gw.proc.pid) - before
-        assert 0 < last < ANSWER_TOKENS / 2, f"engine generated {last} of {ANSWER_TOKENS} tokens"
+        assert last == ANSWER_TOKENS, f"engine generated {last} of {ANSWER_TOKENS} tokens"
+        growth = 0
+        for _ in range(6):  # the engine's merged remainder waits at the gateway's door
+            time.sleep(0.5)
+            growth = max(growth, rss_kib(gw.proc.pid) - before)
         assert growth < MAX_RSS_GROWTH_KIB, f"gateway RSS grew {growth} KiB"
     finally:
         sock.close()

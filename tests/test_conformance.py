@@ -35,9 +35,6 @@ TOOLS = [
     }
 ]
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
-# Real vLLM with --enable-auto-tool-choice calls the tool the prompt offers; the simulator only
-# when told to (its `tool_calls` behaviour).
-SIM_NO_TOOL_CALLS = pytest.mark.sim_pending("answers tool requests with text, not a tool call")
 
 
 def client(gw: Gateway) -> openai.OpenAI:
@@ -263,7 +260,6 @@ TOOL_CHOICES = {
 }
 
 
-@SIM_NO_TOOL_CALLS
 @pytest.mark.parametrize("choice", list(TOOL_CHOICES))
 def test_tool_call_non_stream(engine_gateway: Gateway, choice: str) -> None:
     """tool_choice auto/required/named: one get_weather call with JSON arguments."""
@@ -282,7 +278,6 @@ def test_tool_call_non_stream(engine_gateway: Gateway, choice: str) -> None:
     assert "<tool_call>" not in (message.content or "")
 
 
-@SIM_NO_TOOL_CALLS
 @pytest.mark.parametrize("choice", list(TOOL_CHOICES))
 def test_tool_call_stream(engine_gateway: Gateway, choice: str) -> None:
     """Streamed tool calls assemble into one get_weather call; thinking still streams first."""
@@ -302,7 +297,6 @@ def test_tool_call_stream(engine_gateway: Gateway, choice: str) -> None:
     assert "<tool_call>" not in seen["content"]
 
 
-@SIM_NO_TOOL_CALLS
 def test_tool_round_trip_ends_in_an_answer(engine_gateway: Gateway) -> None:
     """The tool's result sent back: the model answers in content, no further call."""
     sdk = client(engine_gateway)

@@ -17,7 +17,6 @@ from typing import Any
 import anthropic
 import httpx
 import openai
-import pytest
 
 from tests.conftest import ALIAS, KEY_A, Gateway
 from tests.realengine.launcher import MAX_MODEL_LEN
@@ -40,7 +39,6 @@ R_TOOL = {
     "parameters": A_TOOL["input_schema"],
     "strict": False,
 }
-SIM_NO_TOOL_CALLS = pytest.mark.sim_pending("answers tool requests with text, not a tool call")
 
 
 OPEN: list[Any] = []
@@ -101,7 +99,6 @@ def test_messages_non_stream_thinking_off(engine_gateway: Gateway) -> None:
     assert [block.type for block in message.content] == ["text"]
 
 
-@SIM_NO_TOOL_CALLS
 def test_messages_tool_round_trip(engine_gateway: Gateway) -> None:
     """The model calls get_weather (tool_use, input parsed); the tool_result gets an answer."""
     c = messages_client(engine_gateway)
@@ -194,7 +191,6 @@ def test_responses_non_stream_reasoning_none(engine_gateway: Gateway) -> None:
     assert response.output_text
 
 
-@SIM_NO_TOOL_CALLS
 def test_responses_tool_round_trip(engine_gateway: Gateway) -> None:
     """The model calls get_weather (a function_call item); its output gets an answer."""
     c = responses_client(engine_gateway)

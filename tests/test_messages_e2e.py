@@ -13,6 +13,7 @@ import httpx
 import pytest
 from pydantic import TypeAdapter
 
+from engine.sim.tokens import chat_prompt_tokens
 from tests.conftest import (
     KEY_A,
     KEY_B,
@@ -172,7 +173,8 @@ def test_adaptive_thinking_follows_the_tenant_default(
 
 
 def test_tool_round_trip(gw: Gateway) -> None:
-    """tools: the tool_use block comes back, and the tool_result reaches the engine."""
+    """tools: the engine calls the tool (a tool_use block, stop_reason tool_use), and the
+    tool_result of the next turn reaches the engine."""
     c = client(gw)
     first = c.messages.create(
         model="claude-local",
@@ -185,8 +187,15 @@ def test_tool_round_trip(gw: Gateway) -> None:
     body = last_engine_body(gw)
     assert body["tools"][0]["function"]["name"] == "get_weather"
     assert "sim_ignored" not in body
+    assert first.stop_reason == "tool_use"
+    assert [b.name for b in first.content if b.type == "tool_use"] == ["get_weather"]
     history: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
-    history.append({"role": "assistant", "content": [b.model_dump() for b in first.content]})
+    history.append(
+        {
+            "role": "assistant",
+            "content": [b.model_dump() for b in first.content if b.type != "tool_use"],
+        }
+    )
     history.append(
         {
             "role": "user",
@@ -226,7 +235,9 @@ def test_count_tokens_uses_tokenize_without_a_slot(gw: Gateway) -> None:
     sent = records[0]["body"]
     assert sent["messages"][0] == {"role": "system", "content": "Be brief."}
     assert sent["tools"][0]["function"]["name"] == "get_weather"
-    assert count.input_tokens == 3 + (4 + 3) + (4 + 3)  # the simulator's token rule
+    # the simulator's token rule: the messages and the tools, as the chat template writes both
+    assert count.input_tokens == chat_prompt_tokens(sent["messages"], sent["tools"])
+    assert count.input_tokens > 3 + (4 + 3) + (4 + 3)
 
 
 def test_bearer_auth_beta_query_and_no_version_header(gw: Gateway) -> None:
@@ -274,14 +285,17 @@ def test_claude_code_recorded_request_replayed(gw: Gateway) -> None:
 
 
 def test_claude_code_nonstreaming_fallback_replayed(gw: Gateway) -> None:
-    """Claude Code's non-streaming fallback request gets one Message object."""
+    """Claude Code's non-streaming fallback request gets one Message object: offered its 24
+    tools, the model calls the first one, as the real engine's model does."""
     body = recorded("claude-code-nonstreaming-fallback.json")
     r = httpx.post(
         gw.url("/v1/messages?beta=true"), headers={"x-api-key": KEY_A}, json=body, timeout=60
     )
     assert r.status_code == 200
     message = anthropic.types.Message.model_validate(r.json())
-    assert message.stop_reason == "end_turn"
+    assert message.stop_reason == "tool_use"
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert [b.name for b in uses] == [body["tools"][0]["name"]]
 
 
 # -------------------------------------------------------------------------------- errors

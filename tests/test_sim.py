@@ -348,7 +348,8 @@ async def test_api_key_guards_only_v1_v2_inference(guarded: SimProcess) -> None:
 async def test_non_stream_chat_body_has_every_field_in_order(
     client: aiohttp.ClientSession,
 ) -> None:
-    """The non-streaming body is vLLM's model_dump(): all fields, nulls included, in order."""
+    """The non-streaming body is vLLM's model_dump(): all fields, nulls included, in order;
+    a message without tool calls has no `tool_calls` key, as on the real engine."""
     async with client.post(BASE + CHAT, json=chat(), headers={"X-Request-Id": "abc"}) as resp:
         assert resp.content_type == "application/json"
         body = await resp.json()
@@ -384,10 +385,9 @@ async def test_non_stream_chat_body_has_every_field_in_order(
         "annotations",
         "audio",
         "function_call",
-        "tool_calls",
         "reasoning",
     ]
-    assert choice["message"]["tool_calls"] == [] and choice["message"]["reasoning"] is None
+    assert choice["message"]["reasoning"] is None
     assert choice["finish_reason"] == "stop"
     assert body["usage"] == {
         "prompt_tokens": 8,
@@ -417,13 +417,16 @@ async def test_prompt_token_rule_and_tokenize_agree(client: aiohttp.ClientSessio
 
 
 async def test_stream_thinking_off_by_default(client: aiohttp.ClientSession) -> None:
-    """Default stream: role chunk first, content deltas, final chunk with the fingerprint,
-    no reasoning key anywhere, no usage chunk, [DONE] last."""
+    """Default stream: role chunk first, content deltas, final chunk (delta {}) with the
+    fingerprint, no reasoning key anywhere, no usage chunk, [DONE] last; vLLM's headers."""
     async with client.post(
         BASE + CHAT, json=chat(stream=True), headers={"X-Request-Id": "r1"}
     ) as resp:
         assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+        names = [name for name, _ in resp.raw_headers]
         raw = await resp.read()
+    assert names == [b"date", b"server", b"content-type", b"vary", b"transfer-encoding"]
+    assert (resp.headers["server"], resp.headers["vary"]) == ("uvicorn", "Origin")
     assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"[DONE]") == 1
     found = chunks(raw)
     created = found[0]["created"]
@@ -447,7 +450,7 @@ async def test_stream_thinking_off_by_default(client: aiohttp.ClientSession) -> 
     final = found[-1]
     assert final["choices"][0] == {
         "index": 0,
-        "delta": {"content": ""},
+        "delta": {},
         "logprobs": None,
         "finish_reason": "stop",
         "stop_reason": None,
@@ -491,27 +494,31 @@ async def test_stream_thinking_on_sends_reasoning_then_content(
     client: aiohttp.ClientSession,
 ) -> None:
     """Thinking on: `reasoning` deltas (never reasoning_content), an empty content delta for
-    </think> (no tool parser), then content starting with "\\n\\n"; one token per chunk."""
+    </think> (no tool parser), then content starting with "\\n\\n"; one token per chunk, the
+    end-of-sequence token a final delta {}."""
     body = chat(chat_template_kwargs={"enable_thinking": True})
     _, raw = await stream(client, body)
     found = deltas(raw)[1:]
     kinds = [next(iter(d), None) for d in found]
     reasoning = TOKENS // 3
-    assert kinds == ["reasoning"] * reasoning + ["content"] * (TOKENS - reasoning)
+    assert kinds == ["reasoning"] * reasoning + ["content"] * (TOKENS - reasoning - 1) + [None]
     assert b"reasoning_content" not in raw
     assert found[reasoning - 1] == {"reasoning": "\n"} and found[reasoning] == {"content": ""}
     assert found[reasoning + 1] == {"content": "\n\n"}
 
 
 async def test_tool_parser_drops_the_think_end_chunk(keyed: aiohttp.ClientSession) -> None:
-    """With --tool-call-parser the </think> token yields no chunk but still counts in usage;
+    """With --tool-call-parser (real vLLM, observed) the </think> token yields no chunk and the
+    "\\n\\n" after it is merged into the first content delta, both still counted in usage;
     --enable-force-include-usage adds the usage chunk unasked."""
     _, raw = await stream(keyed, chat())
     found = chunks(raw)
     token_chunks = [c for c in found[1:] if c["choices"]]
-    assert len(token_chunks) == TOKENS - 1 and {"content": ""} not in [
-        c["choices"][0]["delta"] for c in token_chunks[:-1]
-    ]
+    sent = [c["choices"][0]["delta"] for c in token_chunks]
+    reasoning = TOKENS // 3
+    assert len(token_chunks) == TOKENS - 2 and {"content": ""} not in sent
+    assert sent[reasoning - 1] == {"reasoning": "\n"}
+    assert sent[reasoning]["content"].startswith("\n\n") and len(sent[reasoning]["content"]) > 2
     assert found[-1]["usage"]["completion_tokens"] == TOKENS and found[-1]["choices"] == []
 
 
@@ -753,8 +760,10 @@ async def test_c02_keepalive_comments_between_events(client: aiohttp.ClientSessi
 
 async def test_c03_split_and_coalesced_writes(client: aiohttp.ClientSession) -> None:
     """C03: split_writes cuts each event into pieces; coalesce puts several events in one
-    write; the bytes are the same as unfaulted."""
-    reads, _ = await pieces(client, chat(sim={"split_writes": 3, "write_gap_ms": 15}))
+    write; the bytes are the same as unfaulted (tokens paced slower than the cut writes, so
+    that each still gets an event of its own)."""
+    fault = {"split_writes": 3, "write_gap_ms": 5, "tokens_per_second": 25}
+    reads, _ = await pieces(client, chat(sim=fault))
     joined = b"".join(reads)
     assert any(not r.endswith(b"\n\n") for r in reads) and len(reads) >= 2 * (TOKENS + 2)
     assert len(chunks(joined)) == TOKENS + 1 and joined.endswith(b"data: [DONE]\n\n")
@@ -780,7 +789,13 @@ async def test_c04_crlf_and_cr_framing(
 
 async def test_c04_crlf_terminator_split_across_writes(client: aiohttp.ClientSession) -> None:
     """C04: split_crlf puts a write boundary between the \\r and \\n of every CRLF."""
-    fault = {"framing": "crlf", "split_crlf": True, "write_gap_ms": 15, "completion_tokens": 3}
+    fault = {
+        "framing": "crlf",
+        "split_crlf": True,
+        "write_gap_ms": 5,
+        "completion_tokens": 3,
+        "tokens_per_second": 10,
+    }
     reads, _ = await pieces(client, chat(sim=fault))
     assert sum(r.endswith(b"\r") for r in reads) >= 4
     assert b"".join(reads).count(b"\r\n\r\n") == 3 + 2
@@ -844,8 +859,9 @@ async def test_c06_error_event_mid_stream(client: aiohttp.ClientSession) -> None
 
 
 async def test_c07_parallel_tool_call_deltas(client: aiohttp.ClientSession) -> None:
-    """C07: two calls (index 0 and 1), arguments in many fragments, some cut inside a JSON
-    string; finish_reason tool_calls; the non-streaming message carries the whole calls."""
+    """C07: two calls (index 0 and 1); each header has vLLM's id and no `arguments` key, the
+    arguments follow parameter by parameter, some pieces cut inside a JSON string;
+    finish_reason tool_calls; the non-streaming message carries the whole calls."""
     _, raw = await stream(client, chat(sim={"tool_calls": True}))
     calls = [d["tool_calls"][0] for d in deltas(raw) if "tool_calls" in d]
     headers = [c for c in calls if "id" in c]
@@ -853,10 +869,15 @@ async def test_c07_parallel_tool_call_deltas(client: aiohttp.ClientSession) -> N
         (0, TOOL_CALLS[0][0]),
         (1, TOOL_CALLS[1][0]),
     ]
-    assert all(re.fullmatch(r"call_[0-9a-f]{24}", h["id"]) for h in headers)
+    assert all(re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", h["id"]) for h in headers)
+    assert all(h["function"] == {"name": h["function"]["name"]} for h in headers)
     for index, (_, arguments) in enumerate(TOOL_CALLS):
-        parts = [c["function"]["arguments"] for c in calls if c["index"] == index]
-        assert len(parts) > 5 and json.loads("".join(parts)) == arguments
+        parts = [c["function"]["arguments"] for c in calls if c["index"] == index and "id" not in c]
+        assert (
+            parts[0] == '{"' + next(iter(arguments)) + '": "'
+            and len(parts) > 5
+            and json.loads("".join(parts)) == arguments
+        )
         assert any(p.count('"') % 2 == 1 for p in parts)
     final = chunks(raw)[-1]["choices"][0]
     assert (final["delta"], final["finish_reason"]) == ({}, "tool_calls")
@@ -865,7 +886,7 @@ async def test_c07_parallel_tool_call_deltas(client: aiohttp.ClientSession) -> N
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     whole = choice["message"]["tool_calls"]
     assert [json.loads(c["function"]["arguments"]) for c in whole] == [a for _, a in TOOL_CALLS]
-    assert all(re.fullmatch(r"chatcmpl-tool-[0-9a-f]{32}", c["id"]) for c in whole)
+    assert all(re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", c["id"]) for c in whole)
 
 
 @pytest.mark.parametrize("variant", ["reasoning_content", "both"])

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.sim.errors import ApiError
 from engine.sim.generate import complete_answer, entry_faults, stream_answer
 from engine.sim.keys import KEY_DIGESTS, METRICS, OPTIONS, RECORDER, SCHEDULER, TRACE
 from engine.sim.metrics import CONTENT_TYPE, SimMetrics
@@ -24,10 +25,10 @@ from engine.sim.middleware import (
     json_response,
     record_middleware,
     request_id_header,
-    server_header,
+    uvicorn_headers,
 )
 from engine.sim.options import Behaviour, SimOptions
-from engine.sim.protocol import ApiError, check_model, parse_chat, parse_completion, parse_json
+from engine.sim.protocol import check_model, parse_chat, parse_completion, parse_json
 from engine.sim.record import Recorder
 from engine.sim.scheduler import Scheduler
 from engine.sim.tokens import (
@@ -114,7 +115,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             choice=i,
             thinking=spec.thinking,
             max_tokens=spec.max_tokens,
-            stream=spec.stream,
+            tools=spec.tools,
         )
         for i in range(spec.n)
     ]
@@ -129,7 +130,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             include_usage=spec.include_usage,
             continuous_usage=spec.continuous_usage,
             reasoning_field=behaviour.reasoning_field,
-            drop_think_end=options.tool_call_parser is not None,
+            tool_parser=options.tool_call_parser is not None,
+            include_reasoning=spec.include_reasoning,
         )
         return await stream_answer(
             request,
@@ -138,7 +140,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             encoder,
             chat=True,
             include_usage=spec.include_usage,
-            prompt_tokens=spec.prompt_tokens,
+            prompt_tokens=[spec.prompt_tokens] * spec.n,
             arrival=arrival,
         )
 
@@ -165,7 +167,12 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         )
 
     return await complete_answer(
-        request, behaviour, answers, render, prompt_tokens=spec.prompt_tokens, arrival=arrival
+        request,
+        behaviour,
+        answers,
+        render,
+        prompt_tokens=[spec.prompt_tokens] * spec.n,
+        arrival=arrival,
     )
 
 
@@ -185,6 +192,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         for i in range(spec.n)
     ]
     prompt_tokens = sum(spec.prompt_tokens)
+    # one engine sequence per (prompt, choice), each counting its own prompt
+    sequences = [count for count in spec.prompt_tokens for _ in range(spec.n)]
     if spec.stream:
         encoder = ChunkEncoder(
             chat=False,
@@ -196,7 +205,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
             include_usage=spec.include_usage,
             continuous_usage=spec.continuous_usage,
             reasoning_field=behaviour.reasoning_field,
-            drop_think_end=False,
+            tool_parser=False,
         )
         return await stream_answer(
             request,
@@ -205,7 +214,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
             encoder,
             chat=False,
             include_usage=spec.include_usage,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=sequences,
             arrival=arrival,
         )
 
@@ -220,7 +229,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         )
 
     return await complete_answer(
-        request, behaviour, answers, render, prompt_tokens=prompt_tokens, arrival=arrival
+        request, behaviour, answers, render, prompt_tokens=sequences, arrival=arrival
     )
 
 
@@ -292,7 +301,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     messages = body.get("messages")
     prompt = body.get("prompt")
     if isinstance(messages, list):
-        count = chat_prompt_tokens(messages)
+        count = chat_prompt_tokens(messages, body.get("tools"))
     elif isinstance(prompt, str):
         count = text_tokens(prompt)
     else:
@@ -342,9 +351,9 @@ def build_app(options: SimOptions) -> web.Application:
             recorder.close()
 
         app.on_cleanup.append(close_recorder)
-    app.on_response_prepare.append(server_header)
     if options.enable_request_id_headers:
         app.on_response_prepare.append(request_id_header)
+    app.on_response_prepare.append(uvicorn_headers)
     router = app.router
     router.add_get("/health", _health, allow_head=False)
     router.add_get("/ping", _health, allow_head=False)

@@ -4,12 +4,15 @@ vLLM writes each event as ``data: <json>\\n\\n`` in one write (vllm-protocol.md 
 The faults change only the bytes between events and where writes are cut: line ending
 (`framing`), `: keepalive` comments, several events per write (`coalesce`), writes cut into
 pieces (`split_writes`, `split_utf8`, `split_crlf`, `byte_writes`) with `write_gap_ms` between
-pieces so that a reader sees them as separate reads.
+pieces so that a reader sees them as separate reads. Cut writes stand for the network cutting
+the bytes, not for a slow server: a pump task writes the pieces, and the server's writer does
+not wait for it (so cuts alone never make the server merge tokens into fewer events).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 
 from aiohttp import web
 
@@ -39,8 +42,9 @@ class EventWriter:
     """Writes `data:` events to a prepared streaming response.
 
     `send` takes the payload (JSON bytes or ``[DONE]``); `flush` writes what `coalesce` still
-    holds and must be called before the response ends. Write errors (the client went away)
-    propagate as ConnectionError.
+    holds; `finish` also waits until every cut write is on the wire and must be awaited before
+    the response ends; `close` stops the pump. Write errors (the client went away) propagate as
+    ConnectionError.
     """
 
     def __init__(self, response: web.StreamResponse, behaviour: Behaviour) -> None:
@@ -60,6 +64,12 @@ class EventWriter:
         self._plain = (
             not self._cut and not self._comment and behaviour.coalesce == 1 and newline == b"\n"
         )
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._pump_task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
 
     async def send(self, payload: bytes) -> None:
         """Frame one event and write it, or hold it until `coalesce` events are collected."""
@@ -82,14 +92,48 @@ class EventWriter:
         self._held = 0
         await self._write(data)
 
+    async def finish(self) -> None:
+        """Flush, then wait until the pump has written every cut piece."""
+        await self.flush()
+        if self._pump_task is not None:
+            await self._idle.wait()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Stop the pump (the response is over or abandoned)."""
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+
     async def _write(self, data: bytes) -> None:
         if not self._cut:
             await self._response.write(data)
             return
+        if self._error is not None:
+            raise self._error
+        if self._pump_task is None:
+            self._pump_task = asyncio.ensure_future(self._pump())
+        self._queue.append(data)
+        self._idle.clear()
+        self._wake.set()
+
+    async def _pump(self) -> None:
         gap = self._behaviour.write_gap_ms / 1000
-        start = 0
-        for cut in [*cut_points(data, self._behaviour), len(data)]:
-            if start:
-                await asyncio.sleep(gap)
-            await self._response.write(data[start:cut])
-            start = cut
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._queue:
+                    data = self._queue.popleft()
+                    start = 0
+                    for cut in [*cut_points(data, self._behaviour), len(data)]:
+                        if start:
+                            await asyncio.sleep(gap)
+                        await self._response.write(data[start:cut])
+                        start = cut
+                self._idle.set()
+        except (ConnectionError, RuntimeError) as exc:
+            self._error = (
+                exc if isinstance(exc, ConnectionError) else ConnectionResetError(str(exc))
+            )
+            self._idle.set()

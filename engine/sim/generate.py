@@ -10,16 +10,14 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from aiohttp import web
 
+from engine.sim.errors import ApiError
 from engine.sim.framing import EventWriter
 from engine.sim.keys import SCHEDULER, TRACE
 from engine.sim.middleware import json_response
 from engine.sim.options import Behaviour
-from engine.sim.protocol import ApiError
-from engine.sim.record import Trace
 from engine.sim.scheduler import Slot
 from engine.sim.tokens import Answer
 from engine.sim.wire import DONE, IN_STREAM_ERROR, ChunkEncoder
@@ -65,6 +63,11 @@ class Pacer:
         self._next: float | None = None
         self._count = 0
 
+    @property
+    def paced(self) -> bool:
+        """True when tokens are spaced in time (a rate above 0)."""
+        return bool(self._interval)
+
     async def wait(self) -> None:
         """Return when the next token is due (at once for the first one)."""
         self._count += 1
@@ -81,14 +84,16 @@ class Pacer:
 
 
 def fault_at(behaviour: Behaviour) -> tuple[int, str | None]:
-    """(tokens before the cut, "exit" | "drop" | "error" | None); on a tie exit wins, then drop."""
+    """(tokens before the fault, "exit" | "drop" | "error" | "stall" | None): the earliest
+    fault wins, and on a tie exit before drop before error before stall."""
     faults = [
         (count, rank, name)
-        for rank, (name, count) in enumerate(
+        for rank, (count, name) in enumerate(
             (
-                ("exit", behaviour.exit_after),
-                ("drop", behaviour.drop_after),
-                ("error", behaviour.error_after),
+                (behaviour.exit_after, "exit"),
+                (behaviour.drop_after, "drop"),
+                (behaviour.error_after, "error"),
+                (behaviour.stall_after, "stall"),
             )
         )
         if count is not None
@@ -105,42 +110,161 @@ def crash() -> None:
     os._exit(EXIT_CRASH)
 
 
-async def generate(
-    answers: Sequence[Answer],
-    behaviour: Behaviour,
-    slot: Slot,
-    trace: Trace,
-    emit: Callable[[int, int, Answer], Any] | None,
-) -> str | None:
-    """Produce the answers' tokens at the behaviour's pace, choices interleaved step by step.
-
-    `emit(index, step, answer)` is awaited per token when streaming. Returns the fault that
-    cut the answer ("drop", "error") or None when every token was produced.
-    """
-    limit, fault = fault_at(behaviour)
-    pacer = Pacer(behaviour.tokens_per_second)
-    produced = 0
-    for step in range(max(len(a.tokens) for a in answers)):
-        if produced >= limit:
-            return fault
-        await pacer.wait()
-        for index, answer in enumerate(answers):
-            if step >= len(answer.tokens):
-                continue
-            slot.token()
-            if emit is not None:
-                await emit(index, step, answer)
-            produced += 1
-            trace.tokens_sent = produced
-            if produced >= limit:
-                return fault
-    return fault
-
-
-def engine_reason(answers: Sequence[Answer]) -> str:
+def engine_reason(answer: Answer) -> str:
     """The engine's finish reason for metrics: tool calls end on a plain stop token."""
-    reason = answers[0].finish_reason
-    return "stop" if reason == "tool_calls" else reason
+    return "stop" if answer.finish_reason == "tool_calls" else answer.finish_reason
+
+
+Emit = Callable[[int, int], None]
+
+
+class Run:
+    """The generation of one request: each choice is an engine sequence of its own.
+
+    Like vLLM's engine, a request with `n` choices is `n` sequences (`n` times the prompt in
+    `vllm:prompt_tokens_total`, one finished request each); with `--max-num-seqs 1` they run
+    one after the other, otherwise side by side. Tokens are counted in the metrics as they
+    are generated; `prompt_tokens` holds each sequence's prompt. `emit(choice, step)` is called for each generated token. A fault stops
+    every sequence after `limit` tokens in all: "exit" leaves the process to the caller
+    (`crash`, once what was generated is written); "drop" and "error" end them as `error`;
+    "stall" keeps them running and generating nothing until the client leaves, while
+    `/health` stays 200 (an engine core stuck behind a healthy API server).
+    """
+
+    def __init__(
+        self,
+        request: web.Request,
+        behaviour: Behaviour,
+        answers: Sequence[Answer],
+        *,
+        prompt_tokens: Sequence[int],
+        arrival: float,
+        emit: Emit | None = None,
+        started: Callable[[], None] | None = None,
+        yield_each: bool = False,
+    ) -> None:
+        self._scheduler = request.app[SCHEDULER]
+        self._behaviour = behaviour
+        self._answers = answers
+        self._prompt_tokens = prompt_tokens
+        self._arrival = arrival
+        self._emit = emit
+        self._started = started
+        self._yield_each = yield_each
+        self._limit, self.fault = fault_at(behaviour)
+        self.produced = 0
+        self.cut = False
+
+    async def run(self) -> str | None:
+        """Generate every choice; the fault that cut the answer ("exit", "drop", "error") or
+        None.
+
+        A stall never returns: the caller's task is cancelled when the client leaves.
+        """
+        if len(self._answers) == 1:
+            await self._sequence(0)
+        else:
+            tasks = [asyncio.ensure_future(self._sequence(i)) for i in range(len(self._answers))]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return self.fault if self.cut else None
+
+    async def _sequence(self, index: int) -> None:
+        answer = self._answers[index]
+        behaviour = self._behaviour
+        async with self._scheduler.admit(self._prompt_tokens[index], self._arrival) as slot:
+            await asyncio.sleep(behaviour.prefill_ms / 1000)
+            if self._started is not None:
+                self._started()
+                self._started = None
+            pacer = Pacer(behaviour.tokens_per_second)
+            for step in range(len(answer.tokens)):
+                if self.cut or self.produced >= self._limit:
+                    await self._fault(slot)
+                    return
+                await pacer.wait()
+                if self.cut:
+                    await self._fault(slot)
+                    return
+                slot.token()
+                self.produced += 1
+                if self._emit is not None:
+                    self._emit(index, step)
+                    if self._yield_each and not pacer.paced:
+                        await asyncio.sleep(0)
+            if self.fault is not None:  # an answer shorter than the fault's count
+                await self._fault(slot)
+                return
+            slot.finish(engine_reason(answer))
+
+    async def _fault(self, slot: Slot) -> None:
+        self.cut = True
+        if self.fault == "stall":
+            await asyncio.Event().wait()
+        slot.finish("error")
+
+
+class Collector:
+    """What the API server has not sent yet, per choice: vLLM's per-request output collector.
+
+    Tokens generated while the writer is busy (the client or the gateway not reading, so a
+    write waits for the socket to drain; a slow cut write) pile up and leave as one event
+    carrying them all, as they do in vLLM whenever its API server lags. `tokens_per_event`
+    makes every event carry at least that many tokens of a choice (its last event fewer), so
+    merged events can also be had on demand.
+    """
+
+    def __init__(self, answers: Sequence[Answer], tokens_per_event: int) -> None:
+        self._answers = answers
+        self._per_event = tokens_per_event
+        self._pending: dict[int, list[int]] = {}
+        self._ready = asyncio.Event()
+        self._closed = False
+        self._head: list[bytes] = []
+
+    def put_head(self, payload: bytes) -> None:
+        """Queue a chunk that is not a token (the role chunks)."""
+        self._head.append(payload)
+        self._ready.set()
+
+    def put(self, index: int, step: int) -> None:
+        """Queue token `step` of choice `index`; wake the writer when an event is due."""
+        steps = self._pending.setdefault(index, [])
+        steps.append(step)
+        if len(steps) >= self._per_event or step == len(self._answers[index].tokens) - 1:
+            self._ready.set()
+
+    def close(self) -> None:
+        """No more tokens: the writer sends what is left and returns."""
+        self._closed = True
+        self._ready.set()
+
+    async def take(self) -> tuple[list[bytes], list[tuple[int, list[int]]]] | None:
+        """Wait for an event to be due; the queued chunks and (choice, steps) groups, or None
+        once closed and empty."""
+        while True:
+            if not self._closed:
+                await self._ready.wait()
+            self._ready.clear()
+            head, self._head = self._head, []
+            groups = [(i, steps) for i, steps in self._pending.items() if self._due(i, steps)]
+            for index, _ in groups:
+                del self._pending[index]
+            if head or groups:
+                return head, groups
+            if self._closed:
+                return None
+
+    def _due(self, index: int, steps: list[int]) -> bool:
+        return (
+            self._closed
+            or len(steps) >= self._per_event
+            or steps[-1] == len(self._answers[index].tokens) - 1
+        )
 
 
 async def stream_answer(
@@ -151,56 +275,94 @@ async def stream_answer(
     *,
     chat: bool,
     include_usage: bool,
-    prompt_tokens: int,
+    prompt_tokens: Sequence[int],
     arrival: float,
 ) -> web.StreamResponse:
-    """Answer as an SSE stream: headers at once, role chunks after prefill, one chunk per
-    token, final chunks, optional usage chunk, ``[DONE]`` (sections 5.3-5.6)."""
+    """Answer as an SSE stream: headers at once, role chunks after prefill, token chunks (one
+    token each while the client keeps up, merged when it lags or with `tokens_per_event`),
+    final chunks, optional usage chunk, ``[DONE]`` (sections 5.3-5.6)."""
     trace = TRACE.get()
     response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
     await response.prepare(request)
     writer = EventWriter(response, behaviour)
+    collector = Collector(answers, behaviour.tokens_per_event)
+    done = [0] * len(answers)
 
-    async def emit(index: int, step: int, answer: Answer) -> None:
-        token = answer.tokens[step]
+    def started() -> None:
         if chat:
-            payload = encoder.token(index, token, answer, step + 1)
-        else:
-            payload = encoder.text(index, token, answer, step + 1)
-        if payload is not None:
-            await writer.send(payload)
+            for index in range(len(answers)):
+                collector.put_head(encoder.role(index))
 
+    async def write_events() -> None:
+        while (item := await collector.take()) is not None:
+            head, groups = item
+            for payload in head:
+                await writer.send(payload)
+            for index, steps in groups:
+                answer = answers[index]
+                tokens = [answer.tokens[step] for step in steps]
+                done[index] += len(steps)
+                if chat:
+                    chunk = encoder.event(index, tokens, answer, done[index])
+                else:
+                    chunk = encoder.text(index, tokens, answer, done[index])
+                if chunk is not None:
+                    await writer.send(chunk)
+                trace.tokens_sent += len(steps)
+        await writer.flush()
+
+    run = Run(
+        request,
+        behaviour,
+        answers,
+        prompt_tokens=prompt_tokens,
+        arrival=arrival,
+        emit=collector.put,
+        started=started,
+        yield_each=True,
+    )
+    sender = asyncio.ensure_future(write_events())
+    generation: asyncio.Future[str | None] | None = None
     try:
         await asyncio.sleep(behaviour.silence_s)
-        async with request.app[SCHEDULER].admit(prompt_tokens, arrival) as slot:
-            await asyncio.sleep(behaviour.prefill_ms / 1000)
-            if chat:
-                for index in range(len(answers)):
-                    await writer.send(encoder.role(index))
-            fault = await generate(answers, behaviour, slot, trace, emit)
-            if fault == "exit":
-                await writer.flush()
-                crash()
-            if fault == "drop":
-                await writer.flush()
-                slot.finish("error")
-                trace.outcome = "error"
-                close_connection(request)
-                return response
-            if fault == "error":
-                await writer.send(IN_STREAM_ERROR)
-                slot.finish("error")
-                trace.outcome = "error"
-            else:
-                if include_usage:
-                    await writer.send(encoder.usage(trace.tokens_sent))
-                slot.finish(engine_reason(answers))
-                trace.outcome = "finished"
-            if not behaviour.no_done:
-                await writer.send(DONE)
-            await writer.flush()
+        generation = asyncio.ensure_future(run.run())
+        await asyncio.wait((generation, sender), return_when=asyncio.FIRST_COMPLETED)
+        if not generation.done():  # the writer failed: the client went away
+            generation.cancel()
+            await asyncio.gather(generation, return_exceptions=True)
+            sender.result()
+        fault = generation.result()
+        collector.close()
+        await sender
+        if fault == "exit":
+            await writer.finish()
+            crash()
+        if fault == "drop":
+            await writer.finish()
+            trace.outcome = "error"
+            close_connection(request)
+            return response
+        if fault == "error":
+            await writer.send(IN_STREAM_ERROR)
+            trace.outcome = "error"
+        else:
+            if include_usage:
+                await writer.send(encoder.usage(run.produced))
+            trace.outcome = "finished"
+        if not behaviour.no_done:
+            await writer.send(DONE)
+        await writer.finish()
     except ConnectionError:
         trace.outcome = "aborted"
+    finally:
+        # no await unless a task is left: the connection may be closed (drop) already, and the
+        # handler must not be cancelled before it returns
+        writer.close()
+        left = [t for t in (generation, sender) if t is not None and not t.done()]
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)
     return response
 
 
@@ -210,24 +372,26 @@ async def complete_answer(
     answers: Sequence[Answer],
     render: Callable[[], bytes],
     *,
-    prompt_tokens: int,
+    prompt_tokens: Sequence[int],
     arrival: float,
 ) -> web.StreamResponse:
     """Answer with one JSON body once every token is produced; a client leaving cancels it."""
     trace = TRACE.get()
     await asyncio.sleep(behaviour.silence_s)
-    async with request.app[SCHEDULER].admit(prompt_tokens, arrival) as slot:
-        await asyncio.sleep(behaviour.prefill_ms / 1000)
-        fault = await generate(answers, behaviour, slot, trace, None)
-        if fault == "exit":
-            crash()
-        if fault == "drop":
-            slot.finish("error")
-            trace.outcome, trace.status = "error", 0
-            close_connection(request)
-            return web.Response()
-        if fault == "error":
-            slot.finish("error")
-            raise ApiError(500, "InternalServerError", "Internal server error")
-        slot.finish(engine_reason(answers))
+
+    def produced(index: int, step: int) -> None:
+        trace.tokens_sent += 1
+
+    run = Run(
+        request, behaviour, answers, prompt_tokens=prompt_tokens, arrival=arrival, emit=produced
+    )
+    fault = await run.run()
+    if fault == "exit":
+        crash()
+    if fault == "drop":
+        trace.outcome, trace.status = "error", 0
+        close_connection(request)
+        return web.Response()
+    if fault == "error":
+        raise ApiError(500, "InternalServerError", "Internal server error")
     return web.Response(body=render(), content_type="application/json")

@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.sim.errors import ApiError
 from engine.sim.keys import KEY_DIGESTS, RECORDER, TRACE
-from engine.sim.protocol import ApiError
 from engine.sim.record import Trace
 from engine.sim.wire import dumps
 
@@ -118,11 +118,33 @@ async def error_middleware(
     return response
 
 
-async def server_header(request: web.Request, response: web.StreamResponse) -> None:
-    # vLLM runs under uvicorn, which names itself in every response
-    response.headers["Server"] = "uvicorn"
+# Where uvicorn and Starlette put the headers of a vLLM response (observed on vLLM 0.32): first
+# uvicorn's own, then the response's, then the middlewares', then the framing uvicorn adds.
+_FIRST = ("date", "server")
+_LAST = ("vary", "x-request-id", "transfer-encoding", "connection")
+
+
+async def uvicorn_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Headers as vLLM's server sends them: lowercase names (Starlette and uvicorn write them
+    so), `server: uvicorn`, `vary: Origin` (vLLM's CORS middleware), in uvicorn's order.
+
+    Runs last among the response-prepare hooks, after aiohttp has added its own headers.
+    """
+    headers = response.headers
+    items = [(str(name).lower(), value) for name, value in headers.items()]
+    values = dict(items)
+    values["server"] = "uvicorn"
+    values["vary"] = "Origin"
+    middle = [(n, v) for n, v in items if n not in _FIRST and n not in _LAST]
+    middle.sort(key=lambda item: item[0] != "content-length")  # Starlette sets it first
+    ordered = [(n, values[n]) for n in _FIRST if n in values]
+    ordered += middle
+    ordered += [(n, values[n]) for n in _LAST if n in values]
+    headers.clear()
+    for name, value in ordered:
+        headers.add(name, value)
 
 
 async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:
     # --enable-request-id-headers: the client's X-Request-Id, else a new one
-    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    response.headers["x-request-id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex

@@ -67,7 +67,17 @@ class Behaviour:
     )
     tool_calls: bool = field(
         default=False,
-        metadata=_opt("answer with two parallel tool calls (finish_reason tool_calls)"),
+        metadata=_opt(
+            "answer with two parallel tool calls (finish_reason tool_calls), tools or not"
+        ),
+    )
+    tokens_per_event: int = field(
+        default=1,
+        metadata=_opt(
+            "tokens merged into each SSE event, as vLLM's API server merges them when it lags "
+            "(merging also happens by itself whenever the reader is behind)",
+            1,
+        ),
     )
     tool_call: str | None = field(
         default=None,
@@ -107,6 +117,14 @@ class Behaviour:
     )
     no_done: bool = field(
         default=False, metadata=_opt("end the stream normally but without data: [DONE]")
+    )
+    stall_after: int | None = field(
+        default=None,
+        metadata=_opt(
+            "after this many tokens stop generating but keep the request running and the "
+            "connection open (/health stays 200) until the client leaves",
+            0,
+        ),
     )
     hang: bool = field(default=False, metadata=_opt("accept the request and never answer it"))
     headers_delay_s: float = field(
@@ -368,7 +386,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='replaces the fork default {"enable_thinking": false}',
     )
     served.add_argument("--enable-auto-tool-choice", action="store_true")
-    served.add_argument("--tool-call-parser", help="with it, the </think> token yields no chunk")
+    served.add_argument(
+        "--tool-call-parser",
+        help="with it, </think> yields no chunk and the \\n\\n after it joins the first content",
+    )
     served.add_argument("--trust-request-chat-template", action="store_true")
     served.add_argument("--enable-force-include-usage", action="store_true")
     served.add_argument("--enable-request-id-headers", action="store_true")

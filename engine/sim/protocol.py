@@ -12,61 +12,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.sim.errors import ApiError, validation_error, validation_error_text, vllm_error
+from engine.sim.fields import check_sampling, read_field
 from engine.sim.options import SimOptions
 from engine.sim.tokens import chat_prompt_tokens, text_tokens
+from engine.sim.tools import ToolError, ToolPlan, plan_tools
 
 STREAM_OPTIONS_MESSAGE = "Stream options can only be defined when `stream=True`."
 UNTRUSTED_TEMPLATE_MESSAGE = (
     "Chat template is passed with request, but --trust-request-chat-template is not set. "
     "Refused request with untrusted chat template."
 )
-AUTO_TOOL_MESSAGE = (
-    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
-)
 # Defaults of vLLM's request models when the field is absent (OpenAI API reference too).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-class ApiError(Exception):
-    """An error answered as vLLM's error object: ``{"error": {message, type, param, code}}``.
-
-    `status` is the HTTP status and the `code`; `kind` is the `type` (section 7.2).
-    """
-
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.message = message
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        """The error object, fields in vLLM's order."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-def validation_error(*errors: dict[str, Any]) -> ApiError:
-    """A FastAPI request-validation failure as vLLM answers it: 400, type "Bad Request".
-
-    Each error is a pydantic error dict (`type`, `loc`, `msg`); the message is
-    ``str(RequestValidationError)`` followed by the list of errors, like vLLM's handler.
-    """
-    count = len(errors)
-    lines = "".join(f"\n  {e!r}" for e in errors)
-    head = f"{count} validation error{'' if count == 1 else 's'}:{lines}"
-    return ApiError(400, "Bad Request", f"{head} {list(errors)!r}")
-
-
-def vllm_error(message: str, param: str | None, value: object) -> ApiError:
-    """A `VLLMValidationError`: 400 BadRequestError, message suffixed with parameter and value."""
-    return ApiError(400, "BadRequestError", f"{message} (parameter={param}, value={value})", param)
 
 
 def parse_json(raw: bytes, content_type: str) -> Any:
@@ -86,59 +44,6 @@ def parse_json(raw: bytes, content_type: str) -> Any:
         ) from None
 
 
-def validation_error_text(text: str) -> ApiError:
-    """A validation failure raised with a plain string error (vLLM's media type check)."""
-    return ApiError(400, "Bad Request", f"1 validation error:\n  {text} {[text]!r}")
-
-
-_TYPE_ERRORS = {
-    bool: ("bool_type", "Input should be a valid boolean"),
-    int: ("int_type", "Input should be a valid integer"),
-    str: ("string_type", "Input should be a valid string"),
-    list: ("list_type", "Input should be a valid list"),
-    dict: ("dict_type", "Input should be a valid dictionary"),
-}
-
-
-# pydantic's lax mode (what vLLM's request models use) also takes these spellings of a boolean.
-_LAX_BOOLS = {
-    "true": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
-    "false": False, "f": False, "no": False, "n": False, "off": False, "0": False,
-}  # fmt: skip
-
-
-def _lax(value: object, kind: type) -> object:
-    """`value` as pydantic's lax mode converts it to `kind`, or None when it would not."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        return _LAX_BOOLS.get(value.strip().lower()) if isinstance(value, str) else None
-    if kind is int:
-        if isinstance(value, bool):
-            return None
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-            return int(value)
-        return None
-    return value if isinstance(value, kind) else None
-
-
-def _field(body: Mapping[str, Any], name: str, kind: type) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    converted = _lax(value, kind)
-    if converted is not None:
-        return converted
-    error_type, msg = _TYPE_ERRORS[kind]
-    raise validation_error({"type": error_type, "loc": ("body", name), "msg": msg, "input": value})
-
-
 def _object(body: object) -> Mapping[str, Any]:
     if not isinstance(body, dict):
         raise validation_error(
@@ -153,8 +58,8 @@ def _object(body: object) -> Mapping[str, Any]:
 
 def _stream_flags(body: Mapping[str, Any], options: SimOptions) -> tuple[bool, bool, bool]:
     """(stream, include_usage, continuous_usage) following vLLM's `should_include_usage`."""
-    stream = bool(_field(body, "stream", bool))
-    stream_options = _field(body, "stream_options", dict)
+    stream = bool(read_field(body, "stream", bool))
+    stream_options = read_field(body, "stream_options", dict)
     if stream_options and not stream:
         raise validation_error(
             {
@@ -174,7 +79,7 @@ def _stream_flags(body: Mapping[str, Any], options: SimOptions) -> tuple[bool, b
 
 def check_model(body: Mapping[str, Any], options: SimOptions) -> None:
     """404 NotFoundError unless `model` is absent, empty or a served name (section 7.3)."""
-    model = _field(body, "model", str)
+    model = read_field(body, "model", str)
     if model and model not in options.served_model_names:
         raise ApiError(404, "NotFoundError", f"The model `{model}` does not exist.", "model")
 
@@ -244,6 +149,7 @@ class ChatRequest:
     prompt_tokens: int
     thinking: bool
     include_reasoning: bool
+    tools: ToolPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +164,28 @@ class CompletionRequest:
     prompt_tokens: tuple[int, ...]
 
 
+def _tool_plan(
+    body: Mapping[str, Any], messages: list[Any], options: SimOptions
+) -> ToolPlan | None:
+    """The request's tool calls (`engine.sim.tools`), its errors as vLLM answers them."""
+    try:
+        return plan_tools(
+            body,
+            messages,
+            auto_allowed=options.enable_auto_tool_choice and options.tool_call_parser is not None,
+        )
+    except ToolError as exc:
+        if exc.validation:
+            raise validation_error(
+                {"type": "value_error", "loc": tuple(str(exc.param).split(".")), "msg": str(exc)}
+            ) from None
+        if exc.param is None:
+            raise ApiError(400, "BadRequestError", str(exc)) from None
+        raise ApiError(
+            400, "BadRequestError", f"{exc} (parameter={exc.param})", exc.param
+        ) from None
+
+
 def parse_chat(raw: object, options: SimOptions) -> ChatRequest:
     """Check a /v1/chat/completions body; raises ApiError with vLLM's status and body."""
     body = _object(raw)
@@ -266,7 +194,7 @@ def parse_chat(raw: object, options: SimOptions) -> ChatRequest:
         raise validation_error(
             {"type": "missing", "loc": ("body", "messages"), "msg": "Field required"}
         )
-    messages = _field(body, "messages", list)
+    messages = read_field(body, "messages", list)
     for position, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise validation_error(
@@ -277,25 +205,24 @@ def parse_chat(raw: object, options: SimOptions) -> ChatRequest:
                 }
             )
     stream, include_usage, continuous = _stream_flags(body, options)
-    n = _field(body, "n", int)
-    max_tokens = _field(body, "max_tokens", int)
-    max_completion_tokens = _field(body, "max_completion_tokens", int)
-    template_kwargs = _field(body, "chat_template_kwargs", dict)
-    effort = _field(body, "reasoning_effort", str)
+    check_sampling(body, chat=True)
+    n = read_field(body, "n", int)
+    max_tokens = read_field(body, "max_tokens", int)
+    max_completion_tokens = read_field(body, "max_completion_tokens", int)
+    template_kwargs = read_field(body, "chat_template_kwargs", dict)
+    effort = read_field(body, "reasoning_effort", str)
     check_model(body, options)
     if not options.trust_request_chat_template and (
         body.get("chat_template") is not None
         or (template_kwargs or {}).get("chat_template") is not None
     ):
         raise ApiError(400, "BadRequestError", UNTRUSTED_TEMPLATE_MESSAGE)
-    tool_choice = body.get("tool_choice", "auto" if body.get("tools") else "none")
-    if tool_choice == "auto" and not (options.enable_auto_tool_choice and options.tool_call_parser):
-        raise ApiError(400, "BadRequestError", AUTO_TOOL_MESSAGE)
+    tools = _tool_plan(body, messages, options)
     if max_completion_tokens is not None:
         requested, param = max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = max_tokens, "max_tokens"
-    prompt_tokens = chat_prompt_tokens(messages)
+    prompt_tokens = chat_prompt_tokens(messages, body.get("tools"))
     budget = _output_budget(requested, param, prompt_tokens, True, options.max_model_len)
     _at_least_one(1 if n is None else n, "n")
     _at_least_one(budget, "max_tokens")
@@ -307,7 +234,8 @@ def parse_chat(raw: object, options: SimOptions) -> ChatRequest:
         max_tokens=budget,
         prompt_tokens=prompt_tokens,
         thinking=thinking_enabled(options.default_chat_template_kwargs, template_kwargs, effort),
-        include_reasoning=body.get("include_reasoning") is not False,
+        include_reasoning=read_field(body, "include_reasoning", bool) is not False,
+        tools=tools,
     )
 
 
@@ -344,10 +272,11 @@ def parse_completion(raw: object, options: SimOptions) -> CompletionRequest:
     body = _object(raw)
     prompts = _prompts(body)
     stream, include_usage, continuous = _stream_flags(body, options)
-    n = _field(body, "n", int)
-    max_tokens = _field(body, "max_tokens", int)
+    n = read_field(body, "n", int)
+    max_tokens = read_field(body, "max_tokens", int)
     if "max_tokens" not in body:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    check_sampling(body, chat=False)
     check_model(body, options)
     budgets = tuple(
         _output_budget(max_tokens, "max_tokens", count, is_text, options.max_model_len)

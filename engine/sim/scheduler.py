@@ -41,7 +41,8 @@ class Slot:
 
 
 class Scheduler:
-    """At most `max_num_seqs` requests generate at once; the others wait, as in vLLM's engine.
+    """At most `max_num_seqs` sequences generate at once; the others wait, as in vLLM's engine
+    (each choice of an `n` > 1 request is a sequence of its own).
 
     Keeps `vllm:num_requests_running`, `vllm:num_requests_waiting` and
     `vllm:kv_cache_usage_perc` (tokens held by running requests / `kv_cache_tokens`).
@@ -63,7 +64,8 @@ class Scheduler:
         """Wait for a free slot, then hold it; `arrival` is the request's `time.monotonic()`.
 
         A request that leaves without `Slot.finish` (cancelled or a failed write: the client went
-        away, or the server stops) is counted as `abort`; one that raised anything else as
+        away, or the server stops) is counted as `abort` (the fork's behaviour; vLLM 0.32 no
+        longer counts aborts in `vllm:request_success_total`); one that raised anything else as
         `error`.
         """
         metrics = self.metrics

@@ -3,27 +3,34 @@
 Prompt tokens (what `usage.prompt_tokens` reports and the context check uses):
 
 - chat: ``3 + sum(4 + ceil(B / 4) for each message)``, where B is the number of UTF-8 bytes of
-  the message text: the `content` string, or the `text` of its text parts, concatenated;
+  the message text: the `content` string, or the `text` of its text parts, concatenated; plus
+  ``ceil(T / 4)`` for the `tools` list, T the UTF-8 bytes of its JSON;
 - completions: ``ceil(B / 4)`` for a text prompt, the list length for a token-id prompt.
 
-Generated tokens: one token per stream delta chunk, and `usage.completion_tokens` counts them
-all, reasoning included, like vLLM. An answer is, in order:
+Generated tokens: `usage.completion_tokens` counts them all, reasoning, markup and the
+end-of-sequence token included, like vLLM. An answer is, in order:
 
-1. with thinking on: reasoning tokens (the last one is ``"\\n"``), then the ``</think>`` token
-   (an empty content delta; no chunk at all when the server has a tool parser, as in vLLM);
-2. ``"\\n\\n"`` (with thinking on), then the content tokens; or, with the `tool_calls` fault,
-   per call one header token and one token per 5-character fragment of its JSON arguments;
-3. an end-of-sequence token (its delta is empty), whose presence means finish_reason `stop`.
+1. with thinking on: reasoning tokens (the last one is ``"\\n"``), then the ``</think>`` token,
+   then a ``"\\n\\n"`` separator token, as Qwen3 writes ``...\\n</think>\\n\\n<answer>``;
+2. the content tokens; or, for a tool call (`engine.sim.tools`), per call in the model's
+   `qwen3_coder` format: ``<tool_call>``, a header token naming the function, per parameter an
+   opening token (``{"city": "``), value tokens and a closing token (``"}``), then
+   ``</function>`` and ``</tool_call>``; a named `tool_choice` (guided JSON) has no markup tokens;
+3. an end-of-sequence token, whose presence means finish_reason `stop` (`tool_calls` for an
+   auto or required call).
 
-Default lengths: the whole answer has `completion_tokens` tokens, a third of them reasoning
-when thinking is on. Default words cycle through fixed vocabularies holding ASCII, CJK and
-emoji (`CONTENT_VOCAB`, `REASONING_VOCAB`), starting 7 words further for each choice index.
-`text` / `reasoning_text` overrides are cut by `split_tokens`. When `max_tokens` is smaller
-than the answer, the first `max_tokens` tokens are sent and finish_reason is `length`.
+Which of these tokens reach the client, and merged how, is `engine.sim.wire`'s business.
+
+Default lengths: a text answer has `completion_tokens` tokens, a third of them reasoning when
+thinking is on. Default words cycle through fixed vocabularies holding ASCII, CJK and emoji
+(`CONTENT_VOCAB`, `REASONING_VOCAB`), starting 7 words further for each choice index. `text` /
+`reasoning_text` overrides are cut by `split_tokens`. When `max_tokens` is smaller than the
+answer, the first `max_tokens` tokens are generated and finish_reason is `length`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import math
@@ -34,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sim.options import Behaviour
+from engine.sim.tools import ToolPlan
 
 CONTENT_VOCAB = (
     "Simulated",
@@ -88,7 +96,6 @@ TOOL_CALLS: tuple[tuple[str, dict[str, str]], ...] = (
     ("get_weather", {"city": "東京 🌸", "unit": "celsius"}),
     ("get_time", {"timezone": "Asia/Tokyo", "note": "café ☕ 👩‍💻"}),
 )
-TOOL_FRAGMENT_CHARS = 5
 CHOICE_OFFSET = 7
 PAD = "~"
 
@@ -100,10 +107,12 @@ class Kind(enum.IntEnum):
 
     REASONING = 1
     THINK_END = 2
-    CONTENT = 3
-    TOOL_HEADER = 4
-    TOOL_ARGS = 5
-    EOS = 6
+    SEPARATOR = 3  # the "\n\n" after </think>: content, held by a tool parser
+    CONTENT = 4
+    TOOL_MARKUP = 5  # <tool_call>, </function>, </tool_call>: never streamed
+    TOOL_HEADER = 6
+    TOOL_ARGS = 7
+    EOS = 8
 
 
 @dataclass(frozen=True)
@@ -119,15 +128,19 @@ class Token:
 
 @dataclass(frozen=True)
 class Answer:
-    """The tokens of one choice and its finish_reason (`stop`, `length` or `tool_calls`)."""
+    """The tokens of one choice and its finish_reason (`stop`, `length` or `tool_calls`).
+
+    `forced_tool` is True for an answer to a "required" or named `tool_choice`.
+    """
 
     tokens: tuple[Token, ...]
     finish_reason: str
+    forced_tool: bool = False
 
     @property
-    def tool_mode(self) -> bool:
-        """True when the answer holds tool calls (deltas and final chunk differ)."""
-        return self.finish_reason == "tool_calls"
+    def has_tool_calls(self) -> bool:
+        """True when the answer holds at least one tool-call header token."""
+        return any(t.kind is Kind.TOOL_HEADER for t in self.tokens)
 
 
 def split_tokens(text: str) -> list[str]:
@@ -158,9 +171,15 @@ def message_text(message: object) -> str:
     return ""
 
 
-def chat_prompt_tokens(messages: Sequence[object]) -> int:
-    """Tokens of a chat prompt: 3 + sum of (4 + ceil(UTF-8 bytes of the message text / 4))."""
-    return 3 + sum(4 + text_tokens(message_text(m)) for m in messages)
+def chat_prompt_tokens(messages: Sequence[object], tools: object = None) -> int:
+    """Tokens of a chat prompt: 3 + sum of (4 + ceil(UTF-8 bytes of the message text / 4)),
+    plus ceil(UTF-8 bytes of the `tools` list as JSON / 4) when the request has tools (the
+    chat template writes them into the prompt)."""
+    count = 3 + sum(4 + text_tokens(message_text(m)) for m in messages)
+    if isinstance(tools, list) and tools:
+        with contextlib.suppress(ValueError, RecursionError):
+            count += text_tokens(json.dumps(tools, ensure_ascii=False))
+    return count
 
 
 def _vocab(vocab: Sequence[str], start: int, count: int) -> list[str]:
@@ -181,39 +200,82 @@ def _one_call(spec: str) -> tuple[tuple[str, dict[str, Any]], ...]:
     return ((name, arguments if isinstance(arguments, dict) else {}),)
 
 
-def _tool_tokens(
-    stream: bool, calls: tuple[tuple[str, dict[str, Any]], ...] = TOOL_CALLS
-) -> list[Token]:
+def tool_call_id() -> str:
+    """A streamed or non-streamed tool-call id: ``chatcmpl-tool-`` and 16 hex digits, as the
+    real engine sends them (vLLM 0.32, observed)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"
+
+
+def _argument_tokens(arguments: dict[str, object]) -> list[str]:
+    """The JSON text of `arguments` (`json.dumps`, ``", "`` and ``": "`` separators, as vLLM
+    writes them) cut as the `qwen3_coder` parser streams it: per parameter an opening piece
+    (``{"city": "``), the value (a string cut by `split_tokens`, anything else whole) and a
+    closing piece (``"`` for a string, ``}`` after the last parameter)."""
+    if not arguments:
+        return ["{}"]
+    pieces: list[str] = []
+    last = len(arguments) - 1
+    for position, (name, value) in enumerate(arguments.items()):
+        quote = '"' if isinstance(value, str) else ""
+        pieces.append(
+            ("{" if position == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": " + quote
+        )
+        if isinstance(value, str):
+            pieces.extend(json.dumps(p, ensure_ascii=False)[1:-1] for p in split_tokens(value))
+        else:
+            pieces.append(json.dumps(value, ensure_ascii=False))
+        pieces.append(quote + ("}" if position == last else ""))
+    return [p for p in pieces if p]
+
+
+def _tool_tokens(calls: Sequence[tuple[str, dict[str, object]]], *, markup: bool) -> list[Token]:
     tokens: list[Token] = []
     for index, (name, arguments) in enumerate(calls):
-        call_id = f"call_{uuid.uuid4().hex[:24]}" if stream else f"chatcmpl-tool-{uuid.uuid4().hex}"
+        call_id = tool_call_id()
+        if markup:
+            tokens.append(Token(Kind.TOOL_MARKUP, "<tool_call>"))
         tokens.append(Token(Kind.TOOL_HEADER, "", index, call_id, name))
-        encoded = json.dumps(arguments, ensure_ascii=False)
         tokens.extend(
-            Token(Kind.TOOL_ARGS, encoded[i : i + TOOL_FRAGMENT_CHARS], index, call_id, name)
-            for i in range(0, len(encoded), TOOL_FRAGMENT_CHARS)
+            Token(Kind.TOOL_ARGS, piece, index, call_id, name)
+            for piece in _argument_tokens(arguments)
         )
+        if markup:
+            tokens += [
+                Token(Kind.TOOL_MARKUP, "</function>"),
+                Token(Kind.TOOL_MARKUP, "</tool_call>"),
+            ]
     return tokens
 
 
-def _finish(body: list[Token], max_tokens: int, tools: bool) -> Answer:
+def _finish(body: list[Token], max_tokens: int, plan: ToolPlan | None) -> Answer:
     tokens = [*body, Token(Kind.EOS)]
     reason = "stop"
     if len(tokens) > max_tokens:
         tokens, reason = tokens[:max_tokens], "length"
-    if tools and any(t.kind is Kind.TOOL_HEADER for t in tokens):
+    forced = plan is not None and plan.forced
+    if plan is not None and not plan.named and any(t.kind is Kind.TOOL_HEADER for t in tokens):
         reason = "tool_calls"
-    return Answer(tuple(tokens), reason)
+    return Answer(tuple(tokens), reason, forced)
 
 
 def chat_answer(
-    behaviour: Behaviour, *, choice: int, thinking: bool, max_tokens: int, stream: bool
+    behaviour: Behaviour,
+    *,
+    choice: int,
+    thinking: bool,
+    max_tokens: int,
+    tools: ToolPlan | None = None,
 ) -> Answer:
     """The tokens of one chat choice (rule in the module docstring).
 
-    `max_tokens` (>= 1) caps the answer; `stream` picks the tool-call id style (`call_` + 24 hex
-    streaming, `chatcmpl-tool-` + 32 hex otherwise; vllm-protocol.md section 5.4).
+    `max_tokens` (>= 1) caps the answer. `tools` is the request's tool plan
+    (`engine.sim.tools.plan_tools`); the `tool_calls` behaviour replaces it by two parallel
+    calls (`TOOL_CALLS`).
     """
+    if behaviour.tool_calls:
+        tools = ToolPlan(tuple((name, dict(args)) for name, args in TOOL_CALLS))
+    elif behaviour.tool_call:
+        tools = ToolPlan(_one_call(behaviour.tool_call))
     total = behaviour.completion_tokens
     start = choice * CHOICE_OFFSET
     reasoning_count = total // 3 if thinking else 0
@@ -227,12 +289,12 @@ def chat_answer(
             ]
         body += [Token(Kind.REASONING, t) for t in _pad(reasoning, behaviour.token_bytes)]
         body.append(Token(Kind.THINK_END, "</think>"))
-    if behaviour.tool_calls or behaviour.tool_call:
-        calls = _one_call(behaviour.tool_call) if behaviour.tool_call else TOOL_CALLS
-        body += _tool_tokens(stream, calls)
-        return _finish(body, max_tokens, tools=True)
-    if thinking:
-        body.append(Token(Kind.CONTENT, "\n\n"))
+        body.append(Token(Kind.SEPARATOR, "\n\n"))
+    if tools is not None:
+        if tools.named:
+            body = [t for t in body if t.kind is not Kind.SEPARATOR]
+        body += _tool_tokens(tools.calls, markup=not tools.named)
+        return _finish(body, max_tokens, tools)
     if behaviour.text is not None:
         content = split_tokens(behaviour.text)
     else:
@@ -240,7 +302,7 @@ def chat_answer(
     body += [Token(Kind.CONTENT, t) for t in _pad(content, behaviour.token_bytes)]
     if behaviour.text is None and behaviour.reasoning_text is None:
         body = body[: total - 1]
-    return _finish(body, max_tokens, tools=False)
+    return _finish(body, max_tokens, None)
 
 
 def completion_answer(behaviour: Behaviour, *, choice: int, max_tokens: int) -> Answer:
@@ -250,4 +312,4 @@ def completion_answer(behaviour: Behaviour, *, choice: int, max_tokens: int) -> 
     else:
         content = _vocab(CONTENT_VOCAB, choice * CHOICE_OFFSET, behaviour.completion_tokens - 1)
     body = [Token(Kind.CONTENT, t) for t in _pad(content, behaviour.token_bytes)]
-    return _finish(body, max_tokens, tools=False)
+    return _finish(body, max_tokens, None)

@@ -9,7 +9,7 @@ are assembled from per-request byte templates so a token costs a few concatenati
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from collections.abc import Sequence
 from typing import Any
 
 from engine.sim.tokens import Answer, Kind, Token
@@ -32,20 +32,6 @@ def dumps(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-@lru_cache(maxsize=8192)
-def _content_delta(text: str) -> bytes:
-    return b'{"content":' + dumps(text) + b"}"
-
-
-@lru_cache(maxsize=8192)
-def _reasoning_delta(field: str, text: str) -> bytes:
-    encoded = dumps(text)
-    if field == "both":
-        return b'{"reasoning":' + encoded + b',"reasoning_content":' + encoded + b"}"
-    return b'{"' + field.encode() + b'":' + encoded + b"}"
-
-
-_EMPTY_CONTENT = b'{"content":""}'
 _EMPTY = b"{}"
 
 
@@ -77,7 +63,8 @@ class ChunkEncoder:
         include_usage: bool,
         continuous_usage: bool,
         reasoning_field: str,
-        drop_think_end: bool,
+        tool_parser: bool,
+        include_reasoning: bool = True,
     ) -> None:
         obj = b"chat.completion.chunk" if chat else b"text_completion"
         self._head = (
@@ -95,8 +82,13 @@ class ChunkEncoder:
         self._prompt_tokens = prompt_tokens
         self._include_usage = include_usage
         self._continuous = continuous_usage
-        self._reasoning_field = reasoning_field
-        self._drop_think_end = drop_think_end
+        self._reasoning_names = (
+            ("reasoning", "reasoning_content") if reasoning_field == "both" else (reasoning_field,)
+        )
+        self._tool_parser = tool_parser
+        self._include_reasoning = include_reasoning
+        # per choice: the "\n\n" after </think> a tool parser holds until content follows
+        self._held: dict[int, str] = {}
 
     def _usage(self, completion_tokens: int) -> bytes:
         if not self._continuous:
@@ -118,39 +110,82 @@ class ChunkEncoder:
             + b',"prompt_token_ids":null,"prompt_text":null}'
         )
 
-    def _delta(self, token: Token, answer: Answer) -> bytes | None:
-        kind = token.kind
-        if kind is Kind.CONTENT:
-            return _content_delta(token.text)
-        if kind is Kind.REASONING:
-            return _reasoning_delta(self._reasoning_field, token.text)
-        if kind is Kind.THINK_END:
-            return None if self._drop_think_end or answer.tool_mode else _EMPTY_CONTENT
-        if kind is Kind.TOOL_HEADER:
-            call = {
-                "id": token.tool_id,
-                "type": "function",
-                "index": token.tool_index,
-                "function": {"name": token.tool_name, "arguments": ""},
-            }
-            return dumps({"tool_calls": [call]})
-        if kind is Kind.TOOL_ARGS:
-            call = {"index": token.tool_index, "function": {"arguments": token.text}}
-            return dumps({"tool_calls": [call]})
-        return _EMPTY if answer.tool_mode else _EMPTY_CONTENT
+    def _delta(
+        self, index: int, tokens: Sequence[Token], answer: Answer, final: bool
+    ) -> bytes | None:
+        """The `delta` of the tokens of one event of choice `index`, merged as vLLM merges the
+        outputs its API server had not sent yet; None when they give the client nothing.
 
-    def token(self, index: int, token: Token, answer: Answer, completed: int) -> bytes | None:
-        """The chunk of one generated token of choice `index`, or None when vLLM sends none.
+        Keys come in vLLM's order (`content`, `reasoning`, `tool_calls`). With a tool parser
+        (`--tool-call-parser`, the deployment's setting) the ``</think>`` token yields nothing
+        and the ``"\\n\\n"`` after it is held and sent with the first content (real vLLM,
+        observed); without one ``</think>`` is an empty content delta. With `include_reasoning`
+        false, reasoning is not streamed and content deltas carry ``"reasoning": null``.
+        """
+        content: list[str] | None = None
+        reasoning: list[str] | None = None
+        calls: dict[int, dict[str, Any]] = {}
+        arguments: dict[int, list[str]] = {}
+        for token in tokens:
+            kind = token.kind
+            if kind is Kind.CONTENT:
+                if content is None:
+                    content = []
+                if index in self._held:
+                    content.append(self._held.pop(index))
+                content.append(token.text)
+            elif kind is Kind.REASONING:
+                if self._include_reasoning:
+                    if reasoning is None:
+                        reasoning = []
+                    reasoning.append(token.text)
+            elif kind is Kind.THINK_END:
+                if not self._tool_parser and content is None:
+                    content = []
+            elif kind is Kind.SEPARATOR:
+                if not self._tool_parser:
+                    content = [*(content or ()), token.text]
+                elif not answer.has_tool_calls:
+                    self._held[index] = self._held.get(index, "") + token.text
+            elif kind is Kind.TOOL_HEADER:
+                calls[token.tool_index] = {
+                    "id": token.tool_id,
+                    "type": "function",
+                    "index": token.tool_index,
+                    "function": {"name": token.tool_name},
+                }
+            elif kind is Kind.TOOL_ARGS:
+                calls.setdefault(token.tool_index, {"index": token.tool_index, "function": {}})
+                arguments.setdefault(token.tool_index, []).append(token.text)
+        for call_index, parts in arguments.items():
+            calls[call_index]["function"]["arguments"] = "".join(parts)
+        if final and index in self._held:
+            content = [*(content or ()), self._held.pop(index)]
+        delta: dict[str, Any] = {}
+        if content is not None:
+            delta["content"] = "".join(content)
+        if reasoning is not None or (content is not None and not self._include_reasoning):
+            for name in self._reasoning_names:
+                delta[name] = None if reasoning is None else "".join(reasoning)
+        if calls:
+            delta["tool_calls"] = list(calls.values())
+        if not delta:
+            return _EMPTY if final else None
+        return dumps(delta)
 
-        `completed` counts the choice's tokens so far, this one included; the answer's last
-        token carries its finish_reason.
+    def event(
+        self, index: int, tokens: Sequence[Token], answer: Answer, completed: int
+    ) -> bytes | None:
+        """The chunk carrying `tokens` (one or more, in order) of chat choice `index`, or None
+        when vLLM sends none for them.
+
+        `completed` counts the choice's tokens so far, these included; the chunk holding the
+        answer's last token carries its finish_reason.
         """
         final = completed == len(answer.tokens)
-        delta = self._delta(token, answer)
+        delta = self._delta(index, tokens, answer, final)
         if delta is None:
-            if not final:
-                return None
-            delta = _EMPTY
+            return None
         prefix = self._head + b'{"index":' + str(index).encode() + b',"delta":' + delta
         if not final:
             return (
@@ -167,11 +202,11 @@ class ChunkEncoder:
             + self._end(completed, True)
         )
 
-    def text(self, index: int, token: Token, answer: Answer, completed: int) -> bytes:
-        """The chunk of one generated token of a text completion (section 8.3)."""
+    def text(self, index: int, tokens: Sequence[Token], answer: Answer, completed: int) -> bytes:
+        """The chunk of generated tokens of a text completion (section 8.3), merged."""
         final = completed == len(answer.tokens)
         reason = b'"' + answer.finish_reason.encode() + b'"' if final else b"null"
-        text = b'""' if token.kind is Kind.EOS else dumps(token.text)
+        text = dumps("".join(t.text for t in tokens if t.kind is Kind.CONTENT))
         return (
             self._head
             + b'{"index":'
@@ -195,8 +230,8 @@ class ChunkEncoder:
         )
 
 
-def _joined(answer: Answer, kind: Kind) -> str | None:
-    text = "".join(t.text for t in answer.tokens if t.kind is kind)
+def _joined(answer: Answer, *kinds: Kind) -> str | None:
+    text = "".join(t.text for t in answer.tokens if t.kind in kinds)
     return text or None
 
 
@@ -218,17 +253,28 @@ def chat_message(
     answer: Answer, *, thinking: bool, include_reasoning: bool, field: str
 ) -> dict[str, Any]:
     """The non-streaming `message` of one choice (section 5.1), reasoning split as vLLM's
-    qwen3 parser does (section 9.3): reasoning only with thinking on, `content` null if empty."""
+    qwen3 parser does (section 9.3): reasoning only with thinking on, `content` null if empty.
+
+    As in real vLLM, `tool_calls` is present only when the answer holds calls; `content` is
+    then null, or "" for a "required" or named `tool_choice` (vLLM builds those messages with
+    an empty content).
+    """
     reasoning = _joined(answer, Kind.REASONING) if thinking and include_reasoning else None
+    calls = _tool_calls(answer)
+    if calls:
+        content = "" if answer.forced_tool else None
+    else:
+        content = _joined(answer, Kind.SEPARATOR, Kind.CONTENT)
     message: dict[str, Any] = {
         "role": "assistant",
-        "content": _joined(answer, Kind.CONTENT),
+        "content": content,
         "refusal": None,
         "annotations": None,
         "audio": None,
         "function_call": None,
-        "tool_calls": _tool_calls(answer),
     }
+    if calls:
+        message["tool_calls"] = calls
     if field in ("reasoning", "both"):
         message["reasoning"] = reasoning
     if field in ("reasoning_content", "both"):
@@ -245,7 +291,11 @@ def chat_body(
     messages: list[tuple[dict[str, Any], Answer]],
     prompt_tokens: int,
 ) -> bytes:
-    """A complete non-streaming chat response (section 5.1), every field present."""
+    """A complete non-streaming chat response (section 5.1), every field present.
+
+    The fork's fields: newer vLLM (0.32) also sends `ec_transfer_params` and `metrics` and a
+    `completion_tokens_details` in `usage`; 1Cat-vLLM's base does not.
+    """
     choices = [
         {
             "index": index,
