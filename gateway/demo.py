@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from engine.command import build_launch
+from engine.config import EngineConfig
 from gateway.config import Settings, parse_settings
 
 
@@ -49,13 +53,64 @@ def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float) 
     return False
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (in use, not allowed), or None when it can.
+
+    Binds a throw-away TCP socket with ``SO_REUSEADDR``, as the gateway's listener does, so a
+    port only in TIME_WAIT is not reported.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host}: {exc.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use"
+            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return None
+
+
+def simulator_argv(settings: Settings, tokens_per_second: float) -> list[str]:
+    """The simulator's command line: the vLLM flags the launcher gives the real engine
+    (`engine.command.build_launch`, so tools, reasoning parser and one sequence at a time
+    behave as in production), then the simulator's pace."""
+    engine = EngineConfig(
+        program=(sys.executable, "-m", "engine.sim"),
+        model_path="/models/Qwen3.8-27B-demo",
+        served_model=settings.engine.model,
+        socket=settings.engine.socket,
+        max_model_len=settings.engine.max_model_len,
+    )
+    launch = build_launch(engine)
+    return [*launch.argv, "--tokens-per-second", str(tokens_per_second)]
+
+
 def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) -> int:
     """Start the simulator and the gateway, print a demo key and examples, run until Ctrl-C.
 
-    Returns the exit code (0 after Ctrl-C, 1 when something could not start).
+    Both ports are checked first: when one is taken, one line says which flag (``--port``,
+    ``--metrics-port``) picks another, and nothing else is printed or started. Returns the
+    exit code (0 after Ctrl-C, 1 when something could not start).
     """
     from gateway.logs import configure_logging
     from gateway.server import install_uvloop, serve
+
+    for flag, where, number in (
+        ("--port", host, port),
+        ("--metrics-port", "127.0.0.1", metrics_port),
+    ):
+        problem = port_problem(where, number)
+        if problem is not None:
+            print(f"qwen38-gateway demo: {problem}; pass {flag} N to use another", file=sys.stderr)
+            return 1
+    if port == metrics_port:
+        print("qwen38-gateway demo: --port and --metrics-port must differ", file=sys.stderr)
+        return 1
 
     workdir = Path(tempfile.mkdtemp(prefix="q38demo-", dir="/tmp"))
     settings = demo_settings(workdir, host, port, metrics_port)
@@ -66,19 +121,19 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
         handle.write("# demo key, created by qwen38-gateway demo\n")
         handle.write(f"DEMO=demo:{secret}\n")
 
-    sim = subprocess.Popen(
-        [
-            sys.executable, "-m", "engine.sim",
-            "--socket", settings.engine.socket,
-            "--served-model-name", settings.engine.model,
-            "--max-model-len", str(settings.engine.max_model_len),
-            "--tokens-per-second", str(tokens_per_second),
-        ],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    sim_log = workdir / "engine.log"
+    with open(sim_log, "wb") as log:
+        sim = subprocess.Popen(
+            simulator_argv(settings, tokens_per_second), stdout=subprocess.DEVNULL, stderr=log
+        )
     try:
         if not _wait_for_socket(Path(settings.engine.socket), sim, 20.0):
-            print("qwen38-gateway demo: the engine simulator did not start", file=sys.stderr)
+            said = sim_log.read_text(errors="replace").strip().splitlines()[-1:]
+            print(
+                "qwen38-gateway demo: the engine simulator did not start"
+                + (f": {said[0]}" if said else ""),
+                file=sys.stderr,
+            )
             return 1
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         _print_examples(base, settings.model.alias, secret, metrics_port, keys_file)
@@ -117,6 +172,10 @@ Python (pip install openai):
       messages=[{{"role": "user", "content": "Hello!"}}],
       extra_body={{"chat_template_kwargs": {{"enable_thinking": False}}}})
   print(r.choices[0].message.content)
+
+Tool calling works as in production (the simulator runs with the launcher's vLLM flags): give
+`tools` and the simulated model calls the first one (or the named one) with arguments that fit
+its parameters, then answers in text once it gets the tool result.
 
 Metrics: curl http://127.0.0.1:{metrics_port}/metrics    Readiness: curl {base}/ready
 Press Ctrl-C to stop.
