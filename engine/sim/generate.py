@@ -124,8 +124,9 @@ class Run:
     Like vLLM's engine, a request with `n` choices is `n` sequences (`n` times the prompt in
     `vllm:prompt_tokens_total`, one finished request each); with `--max-num-seqs 1` they run
     one after the other, otherwise side by side. Tokens are counted in the metrics as they
-    are generated; `prompt_tokens` holds each sequence's prompt. `emit(choice, step)` is called for each generated token. A fault stops
-    every sequence after `limit` tokens in all: "exit" leaves the process to the caller
+    are generated; `prompt_tokens` holds each sequence's prompt. `emit(choice, step)` is
+    called for each generated token. A fault stops every sequence after its count of tokens
+    in all (or after the last sequence's last token): "exit" leaves the process to the caller
     (`crash`, once what was generated is written); "drop" and "error" end them as `error`;
     "stall" keeps them running and generating nothing until the client leaves, while
     `/health` stays 200 (an engine core stuck behind a healthy API server).
@@ -152,6 +153,7 @@ class Run:
         self._started = started
         self._yield_each = yield_each
         self._limit, self.fault = fault_at(behaviour)
+        self._left = len(answers)
         self.produced = 0
         self.cut = False
 
@@ -196,7 +198,8 @@ class Run:
                     self._emit(index, step)
                     if self._yield_each and not pacer.paced:
                         await asyncio.sleep(0)
-            if self.fault is not None:  # an answer shorter than the fault's count
+            self._left -= 1
+            if self.fault is not None and not self._left:  # shorter than the fault's count
                 await self._fault(slot)
                 return
             slot.finish(engine_reason(answer))
@@ -212,7 +215,7 @@ class Collector:
     """What the API server has not sent yet, per choice: vLLM's per-request output collector.
 
     Tokens generated while the writer is busy (the client or the gateway not reading, so a
-    write waits for the socket to drain; a slow cut write) pile up and leave as one event
+    write waits for the socket to drain) pile up and leave as one event
     carrying them all, as they do in vLLM whenever its API server lags. `tokens_per_event`
     makes every event carry at least that many tokens of a choice (its last event fewer), so
     merged events can also be had on demand.
