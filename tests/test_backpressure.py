@@ -15,9 +15,10 @@ from tests.conftest import ALIAS, KEY_A, Gateway, Sim
 # 16,000 tokens padded to 1 KiB each: an answer of about 20 MB of SSE.
 ANSWER_TOKENS = 16_000
 TOKEN_BYTES = 1024
-# The gateway may hold its socket buffers (aiohttp's 64 KiB read and write limits) and some
-# allocator slack, never a meaningful part of the 20 MB answer.
-MAX_RSS_GROWTH_KIB = 6 * 1024
+# The gateway may hold its socket buffers (aiohttp's 64 KiB read and write limits, asyncio's
+# reads of up to 256 KiB in which a lagging engine's merged event arrives) and some allocator
+# slack, never a meaningful part of the 20 MB answer.
+MAX_RSS_GROWTH_KIB = 8 * 1024
 
 
 def rss_kib(pid: int) -> int:
@@ -71,14 +72,11 @@ def test_client_that_does_not_read_leaves_the_gateway_flat(sim_factory, gateway_
     before = rss_kib(gw.proc.pid)
     sock = stalled_client(gw, body)
     try:
-        deadline = time.monotonic() + 10
-        last = -1.0
-        while time.monotonic() < deadline:  # until generation stops advancing
-            time.sleep(0.5)
-            now = generated_tokens(sim)
-            if now == last and now > 0:
-                break
-            last = now
+        deadline = time.monotonic() + 20
+        last = 0.0
+        while last < ANSWER_TOKENS and time.monotonic() < deadline:  # the engine runs on
+            time.sleep(0.2)
+            last = generated_tokens(sim)
         assert last == ANSWER_TOKENS, f"engine generated {last} of {ANSWER_TOKENS} tokens"
         growth = 0
         for _ in range(6):  # the engine's merged remainder waits at the gateway's door
