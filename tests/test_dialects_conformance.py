@@ -17,6 +17,7 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import pytest
 
 from tests.conftest import ALIAS, KEY_A, Gateway
 from tests.realengine.launcher import MAX_MODEL_LEN
