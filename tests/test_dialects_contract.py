@@ -74,6 +74,9 @@ def test_cache_salt_per_tenant_on_every_dialect(sim_factory: Any, gateway_factor
     assert len(set(salts[:3])) == 1 and len(set(salts[3:])) == 1 and salts[0] != salts[3]
     ids = [r["body"]["request_id"] for r in chat_records(gw)]
     assert len(set(ids)) == 6
+    for route in (MESSAGES, RESPONSES):  # metrics are labelled by the client's route
+        assert gw.metric("gateway_requests_total", route=route, code="200") == 2
+        assert gw.metric("gateway_tokens_total", tenant="acme") > 0
 
 
 def test_tpm_limit_in_each_dialect_shape(sim_factory: Any, gateway_factory: Any) -> None:
