@@ -4,6 +4,8 @@ driven by the official `anthropic` SDK and by Claude Code's recorded requests.""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,10 +50,8 @@ def recorded(name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw() -> Iterator[Gateway]:
     """A simulator that answers one tool round trip (tools: get_weather) and a gateway."""
-    import tempfile
-
     path = Path(tempfile.mkdtemp(prefix="q38a-", dir="/tmp"))
     sim = start_sim(
         path,
@@ -67,6 +67,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     finally:
         _stop(gateway.proc)
         sim.stop()
+        shutil.rmtree(path, ignore_errors=True)
 
 
 OPEN: list[Any] = []

@@ -4,6 +4,7 @@ the official `openai` SDK and by Codex's recorded request."""
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +55,7 @@ def gw() -> Iterator[Gateway]:
     finally:
         _stop(gateway.proc)
         sim.stop()
+        shutil.rmtree(path, ignore_errors=True)
 
 
 OPEN: list[Any] = []
