@@ -11,7 +11,12 @@ events, chunks carrying both reasoning names). Rewrites, all byte-level on compa
 - ``"reasoning":`` becomes ``"reasoning_content":`` (the name OpenAI-compatible clients read);
 - ``"model":"<engine name>"`` becomes the public alias when they differ;
 - the usage-only chunk is dropped unless the client asked for ``include_usage``;
-- ``data: [DONE]`` is sent exactly once, by this module, at a clean end.
+- ``data: [DONE]`` is sent exactly once, by this module, at a clean end;
+- a ``data:`` payload that is not a JSON object (``data:``, ``data: null``, ``data: hello``,
+  ``data: [1,2]``: case C24) is dropped, counted in `RelayState.dropped_events`, and logged once
+  per stream (length only, never the bytes), so clients only ever see JSON objects and
+  ``[DONE]``. "A JSON object" is checked cheaply: the payload starts with ``{`` and ends with
+  ``}`` (the engine's encoder writes one object per event).
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger("gateway.sse")
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -53,6 +62,7 @@ class RelayState:
         done: the engine sent ``[DONE]``.
         finished_choices: ``finish_reason`` values seen (one per choice at a normal end).
         error: the error object of an in-stream error event, if any.
+        dropped_events: ``data:`` events dropped because their payload is not a JSON object.
     """
 
     events: int = 0
@@ -61,6 +71,7 @@ class RelayState:
     done: bool = False
     finished_choices: int = 0
     error: dict[str, Any] | None = None
+    dropped_events: int = 0
 
 
 class SseRelay:
@@ -159,11 +170,14 @@ class SseRelay:
             return None
         if chunk.find(b"\n") == len(chunk) - 2:
             events = 1
+            if chunk[-3] != 0x7D:  # "}": the payload is not an object
+                return None
         else:
             events = chunk.count(b"\n\n")
             if (
                 chunk.count(b"\n") != 2 * events
                 or chunk.count(b"\n\ndata: {") != events - 1
+                or chunk.count(b"}\n\n") != events
                 or b'\n\ndata: {"error"' in chunk
             ):
                 return None
@@ -216,11 +230,17 @@ class SseRelay:
     def _data(self, payload: bytes) -> bytes:
         """One ``data:`` payload: observe, rewrite, and frame it for the client."""
         state = self.state
-        state.events += 1
         stripped = payload.strip()
         if stripped == b"[DONE]":
+            state.events += 1
             state.done = True
             return b""
+        if not (stripped.startswith(b"{") and stripped.endswith(b"}")):
+            state.dropped_events += 1
+            if state.dropped_events == 1:
+                log.warning("engine_event_dropped", reason="not a JSON object", size=len(payload))
+            return b""
+        state.events += 1
         if state.done:
             return b""  # nothing after [DONE] is valid; the engine never sends any
         if b'"error"' in payload and payload.lstrip().startswith(b'{"error"'):

@@ -2,11 +2,12 @@
 
 vLLM writes each event as ``data: <json>\\n\\n`` in one write (vllm-protocol.md section 5.3).
 The faults change only the bytes between events and where writes are cut: line ending
-(`framing`), `: keepalive` comments, several events per write (`coalesce`), writes cut into
-pieces (`split_writes`, `split_utf8`, `split_crlf`, `byte_writes`) with `write_gap_ms` between
-pieces so that a reader sees them as separate reads. Cut writes stand for the network cutting
-the bytes, not for a slow server: a pump task writes the pieces, and the server's writer does
-not wait for it (so cuts alone never make the server merge tokens into fewer events).
+(`framing`), `: keepalive` comments, events that are not JSON objects (`junk_events`), several
+events per write (`coalesce`), writes cut into pieces (`split_writes`, `split_utf8`,
+`split_crlf`, `byte_writes`) with `write_gap_ms` between pieces so that a reader sees them as
+separate reads. Cut writes stand for the network cutting the bytes, not for a slow server: a
+pump task writes the pieces, and the server's writer does not wait for it (so cuts alone never
+make the server merge tokens into fewer events).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from aiohttp import web
 from engine.sim.options import Behaviour
 
 _NEWLINES = {"lf": b"\n", "crlf": b"\r\n", "cr": b"\r"}
+# `junk_events`: data lines that are neither a JSON object nor [DONE].
+_JUNK = (b"data:", b"data: ", b"data: null", b"data: hello", b"data: [1,2]")
 
 
 def cut_points(data: bytes, behaviour: Behaviour) -> list[int]:
@@ -53,6 +56,8 @@ class EventWriter:
         self._behaviour = behaviour
         self._end = newline + newline
         self._comment = b": keepalive" + self._end if behaviour.keepalive else b""
+        if behaviour.junk_events:
+            self._comment += b"".join(line + self._end for line in _JUNK)
         self._pending: list[bytes] = []
         self._held = 0
         self._cut = (

@@ -108,6 +108,13 @@ class Behaviour:
     keepalive: bool = field(
         default=False, metadata=_opt("send ': keepalive' comments before and between events")
     )
+    junk_events: bool = field(
+        default=False,
+        metadata=_opt(
+            "send data events that are not JSON objects (data:, data: null, data: hello, "
+            "data: [1,2]) before every event, as some upstreams do"
+        ),
+    )
     drop_after: int | None = field(
         default=None, metadata=_opt("close the connection after this many tokens", 0)
     )
