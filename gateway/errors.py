@@ -18,6 +18,24 @@ from typing import Any
 RETRY_AFTER_STARTING_S = 30.0
 RETRY_AFTER_DOWN_S = 10.0
 
+# Every credential the gateway accepts is at least this long (API keys: 16 characters, JWTs far
+# more), so a client string shorter than it can be quoted back without echoing one.
+QUOTABLE_MAX_CHARS = 15
+
+
+def quotable(text: Any) -> str:
+    """``text`` as an error message may quote it: short plain strings as they are; anything that
+    could be a credential (16 characters or more, whatever its prefix or padding, or not a
+    string at all) as ``<redacted>``."""
+    if (
+        isinstance(text, str)
+        and len(text) <= QUOTABLE_MAX_CHARS
+        and text.isprintable()
+        and not text.lower().startswith(("sk-", "eyj", "bearer"))
+    ):
+        return text
+    return "<redacted>"
+
 
 class GatewayError(Exception):
     """Base of every error the gateway answers with.
@@ -149,8 +167,9 @@ class NotFound(ClientError):
 class ModelNotFound(NotFound):
     """404 ``model_not_found`` in vLLM's wording for a ``model`` that is not the alias.
 
-    A name shaped like a credential (an API key or a JWT pasted into the wrong field) is not
-    echoed back; others are shown up to 200 characters.
+    The name is quoted only when it cannot be a credential (`quotable`): an API key or a JWT
+    pasted into the wrong field, with or without a prefix, padded or inside a list, is never
+    echoed back.
 
     Attributes:
         name: the model name the client sent, as sent.
@@ -158,9 +177,8 @@ class ModelNotFound(NotFound):
 
     code = "model_not_found"
 
-    def __init__(self, name: str) -> None:
-        shown = "<redacted>" if name.startswith(("sk-", "eyJ")) else name[:200]
-        super().__init__(f"The model `{shown}` does not exist.", param="model")
+    def __init__(self, name: Any) -> None:
+        super().__init__(f"The model `{quotable(name)}` does not exist.", param="model")
         self.name = name
 
 

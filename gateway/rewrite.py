@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from gateway.config import Settings, TenantSettings
 from gateway.errors import BadRequest, ModelNotFound, PermissionDenied
+from gateway.validate import find_unsendable, validate_fields
 
 Kind = Literal["chat", "completions"]
 
@@ -34,6 +35,8 @@ SAMPLING_NON_THINKING: Mapping[str, float | int] = {
     "min_p": 0.0,
     "presence_penalty": 1.5,
 }
+# OpenAI API reference, /v1/completions max_tokens: "Defaults to 16" (vLLM's default too).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Per-message template overhead (<|im_start|>role\n ... <|im_end|>\n) in tokens.
 _MESSAGE_OVERHEAD_TOKENS = 8
 
@@ -198,7 +201,9 @@ def plan_request(
         salt_secret: server secret for `cache_salt`.
 
     Raises:
-        BadRequest: not an object, missing ``messages``/``prompt``, fields of the wrong type.
+        BadRequest: not an object, missing ``messages``/``prompt``, a field of the wrong type or
+            out of range (`gateway.validate.validate_fields`), an output limit over the context,
+            or a value JSON cannot carry to the engine.
         ModelNotFound: ``model`` is neither absent nor the alias.
         PermissionDenied: thinking requested by a tenant that may not use it.
     """
@@ -206,7 +211,8 @@ def plan_request(
         raise BadRequest("The request body must be a JSON object.")
     model = body.get("model")
     if model is not None and not (isinstance(model, str) and settings.model.accepts(model)):
-        raise ModelNotFound(model if isinstance(model, str) else json.dumps(model))
+        raise ModelNotFound(model)
+    validate_fields(body, kind)
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -254,20 +260,35 @@ def plan_request(
                 out[name] = value
         out["messages"] = [_normalise_message(m) for m in body["messages"]]
 
-    prompt_estimate = estimate_prompt_tokens(body, kind)
+    prompts = prompt_lengths(body["prompt"]) if kind == "completions" else None
+    prompt_estimate = estimate_prompt_tokens(body, kind) if prompts is None else sum(prompts)
     max_fields = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
     requested = None
     for name in max_fields:
         requested = _positive_int(body, name)
         if requested is not None:
             break
+    context = settings.engine.max_model_len
+    if requested is None and kind == "completions":
+        # The OpenAI API's and vLLM's default for /v1/completions (API reference: max_tokens
+        # "Defaults to 16"); sent explicitly so the reservation matches what the engine does.
+        requested = min(COMPLETIONS_DEFAULT_MAX_TOKENS, context)
+        out["max_tokens"] = requested
     if requested is None:
-        room = settings.engine.max_model_len - prompt_estimate
+        room = context - prompt_estimate
         max_output = max(1, min(tenant.max_tokens, room))
         if room >= 1:
             out[max_fields[0]] = max_output
     else:
         max_output = requested
+        _check_context(body, max_fields, requested, context, prompts)
+    choices = n
+    if kind == "completions":
+        # vLLM generates best_of sequences per prompt and returns n of them.
+        best_of = body.get("best_of")
+        choices = max(n, best_of if isinstance(best_of, int) else 1)
+    sequences = choices * (len(prompts) if prompts is not None else 1)
+    returned = n * (len(prompts) if prompts is not None else 1)
 
     out.pop("priority", None)
     out["request_id"] = request_id
@@ -278,10 +299,10 @@ def plan_request(
         stream=stream,
         client_wants_usage=client_wants_usage,
         thinking=thinking,
-        n=n,
+        n=returned,
         prompt_estimate=prompt_estimate,
         max_output=max_output,
-        reserve_tokens=prompt_estimate + max_output * n,
+        reserve_tokens=prompt_estimate + max_output * sequences,
     )
 
 
@@ -294,8 +315,64 @@ def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _dumps(obj: Any) -> bytes:
-    """Compact JSON; strings with lone surrogates (legal in JSON escapes) fall back to ASCII escapes."""
+    """Compact UTF-8 JSON for the engine.
+
+    Raises:
+        BadRequest: the body holds what JSON cannot carry to the engine (a non-finite number,
+            an integer too long to print, a lone UTF-16 surrogate), naming where
+            (`gateway.validate.find_unsendable`); never a non-JSON literal such as ``Infinity``.
+    """
     try:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        return json.dumps(obj, separators=(",", ":")).encode()
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except (ValueError, UnicodeEncodeError):
+        found = find_unsendable(obj)
+        where, why = found if found is not None else ("body", "a value JSON cannot carry")
+        top = where.split(".", 1)[0].split("[", 1)[0]
+        raise BadRequest(f"'{where}' holds {why}.", param=top) from None
+
+
+def prompt_lengths(prompt: Any) -> list[int]:
+    """Estimated tokens of each prompt of a ``/v1/completions`` ``prompt`` (validated shape).
+
+    A string is one prompt (UTF-8 bytes / 3, see `estimate_prompt_tokens`, plus 3); an array of
+    strings is one prompt each; an array of token ids is one prompt of exactly that many tokens;
+    an array of such arrays is one prompt each (OpenAI API reference, ``prompt``).
+    """
+    if isinstance(prompt, str):
+        return [_text_bytes(prompt) // 3 + 3]
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return [len(ids) for ids in prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [len(prompt)]
+    return [_text_bytes(p) // 3 + 3 for p in prompt]
+
+
+def _check_context(
+    body: Mapping[str, Any],
+    max_fields: tuple[str, ...],
+    requested: int,
+    context: int,
+    prompts: list[int] | None,
+) -> None:
+    """Refuse an output limit the context cannot hold, before any slot or token is taken.
+
+    ``max_tokens`` above ``max_model_len`` can never be served; with token-id prompts the
+    prompt length is exact, so prompt plus output over ``max_model_len`` is refused too (vLLM
+    answers both with a 400 after the request used the tenant's budget).
+    """
+    name = next((f for f in max_fields if body.get(f) is not None), max_fields[-1])
+    if requested > context:
+        raise BadRequest(
+            f"'{name}' is {requested}, more than this model's context of {context} tokens.",
+            param=name,
+        )
+    exact = prompts is not None and isinstance(body.get("prompt"), list)
+    if exact and prompts and all(isinstance(p, (int, list)) for p in body["prompt"]):
+        longest = max(prompts)
+        if longest + requested > context:
+            raise BadRequest(
+                f"This model's maximum context length is {context} tokens. However, you "
+                f"requested {longest + requested} tokens ({longest} in the prompt, {requested} "
+                f"for the completion).",
+                param=name,
+            )

@@ -170,11 +170,13 @@ def test_completions_need_prompt_and_keep_sampling() -> None:
     with pytest.raises(BadRequest):
         plan({}, kind="completions")
     p, out = plan({"prompt": "abc"}, kind="completions")
-    assert p.thinking is None and "chat_template_kwargs" not in out and out["max_tokens"] == 1000
+    assert p.thinking is None and "chat_template_kwargs" not in out and out["max_tokens"] == 16
 
 
-def test_lone_surrogate_is_forwarded() -> None:
-    """A lone surrogate escape (valid JSON) is forwarded instead of crashing the rewrite."""
+def test_lone_surrogate_is_refused_naming_where() -> None:
+    """A lone surrogate escape (valid JSON, but no UTF-8 text the engine can tokenize) is a 400 naming where it is."""
     body = json.loads('{"messages": [{"role": "user", "content": "\\ud800"}]}')
-    _, out = plan(body)
-    assert out["messages"][0]["content"] == "\ud800"
+    with pytest.raises(BadRequest) as caught:
+        plan(body)
+    assert caught.value.param == "messages"
+    assert "messages[0].content" in caught.value.message
