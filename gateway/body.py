@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 from aiohttp import web
@@ -11,6 +12,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from gateway.validate import MAX_INT_DIGITS, find_unsendable
 
 
 async def read_body(request: web.Request, limit: int, idle_timeout: float) -> bytes:
@@ -60,18 +62,50 @@ def _reject_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
+def _long_int(text: str) -> Any:
+    """``parse_int`` hook of the second pass: an integer too long to convert stands out as
+    infinity, which `find_unsendable` then locates by path (any other integer as ``int``)."""
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        return math.inf
+    return int(text)
+
+
+_LOCATING_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_int=_long_int)
+
+
 def parse_body(raw: bytes) -> Any:
     """Parse a request body as strict JSON (UTF-8, or UTF-16/32 detected as ``json.loads`` does).
 
+    Numbers JSON cannot carry are not refused here but located later with their path
+    (`gateway.validate.find_unsendable`): ``1e400`` parses as infinity; an integer of more than
+    4,300 digits (Python's conversion limit) fails the fast parse, and a second pass names it.
+
     Raises:
-        BadRequest: not JSON, a non-finite number literal, or nested too deeply.
+        BadRequest: not JSON, a non-finite number literal, nested too deeply, or an integer too
+            long to convert (``param`` names its top-level field).
     """
     try:
-        return _DECODER.decode(raw.decode(json.detect_encoding(raw)))
+        text = raw.decode(json.detect_encoding(raw))
+        return _DECODER.decode(text)
     except RecursionError:
         raise BadRequest("The JSON body is nested too deeply.") from None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError) as exc:
+        if isinstance(exc, ValueError) and "digits" in str(exc):
+            _locate_long_int(text)
         raise BadRequest(
             "We could not parse the JSON body of your request. "
             "(HINT: This likely means you aren't using your HTTP library correctly.)"
         ) from None
+
+
+def _locate_long_int(text: str) -> None:
+    """Raise a 400 naming where an over-long integer is, when the second pass finds it."""
+    try:
+        body = _LOCATING_DECODER.decode(text)
+    except (ValueError, RecursionError):
+        return
+    found = find_unsendable(body)
+    if found is not None:
+        where, _ = found
+        top = where.split(".", 1)[0].split("[", 1)[0]
+        raise BadRequest(f"'{where}' holds an integer too large.", param=top)
