@@ -22,6 +22,7 @@ from gateway.admission import AdmissionQueue
 from gateway.config import Settings
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
+from gateway.drain import Drain
 from gateway.handlers import get_model, health, list_models, ready, usage
 from gateway.keys_file import load_keys_file
 from gateway.limiter import create_rate_limiter
@@ -45,6 +46,7 @@ from gateway.state import (
     ADMISSION,
     CLOCK,
     DIALECTS,
+    DRAIN,
     ENGINE_STATE,
     FINISH_HOOKS,
     LIMITER,
@@ -97,6 +99,7 @@ def create_app(
     app[METRICS] = metrics
     app[CLOCK] = clock
     app[STARTED] = time.time()
+    app[DRAIN] = Drain()
     app[ENGINE_STATE] = EngineState(metrics, clock)
     app[ADMISSION] = AdmissionQueue(
         settings.engine.max_concurrency,

@@ -93,8 +93,17 @@ class EngineSettings:
     Timeouts in seconds. ``pool_idle_s`` must stay below the engine's 5 s uvicorn keep-alive
     (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, "Environment Variables" in the vLLM docs) so the gateway never reuses a
     connection the engine is closing. ``read_timeout_s`` is the longest silence tolerated between
-    two reads of one response: long prompts take minutes of prefill before the first byte on a
-    V100, so it defaults to 15 minutes; there is no total timeout.
+    two reads of a streamed answer (and before its headers): long prompts take minutes of prefill
+    before the first byte on a V100, so it defaults to 15 minutes. A non-streaming answer is
+    silent until it is complete, so no read timeout applies to it.
+
+    The total time limit of a request at the engine, the same for streamed and non-streamed
+    answers: ``request_timeout_s`` when set (> 0), else derived from the request as
+    ``read_timeout_s + n x max_tokens / min_tokens_per_s`` (the prefill allowance plus the
+    request's whole output budget at a speed well below the engine's: one V100 decodes about 30
+    tokens/s, the default assumes 5), so a working engine is never cut; ``min_tokens_per_s = 0``
+    and ``request_timeout_s = 0`` mean no total limit. When it fires the client gets 504
+    (``upstream_timeout``; an error event on a stream) and the engine request is aborted.
     ``ready_file``, when set, is the file the launcher (``qwen38-engine serve``) creates once its
     warm-up request succeeded: until it exists a healthy engine counts as ``warming``.
     ``launcher_status_file``, when set, is the launcher's status JSON; the metrics listener
@@ -113,6 +122,8 @@ class EngineSettings:
     queue_timeout_s: float = 300.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 900.0
+    request_timeout_s: float = 0.0
+    min_tokens_per_s: float = 5.0
     pool_idle_s: float = 4.0
     health_interval_s: float = 2.0
     queued_comment_after_s: float = 3.0

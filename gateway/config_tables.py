@@ -34,6 +34,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "engine.queue_timeout_s": (0, 86_400),
     "engine.connect_timeout_s": (0.01, 600),
     "engine.read_timeout_s": (0.01, 86_400),
+    "engine.request_timeout_s": (0, 604_800),
+    "engine.min_tokens_per_s": (0, 100_000),
     "engine.pool_idle_s": (0.1, 4.9),
     "engine.health_interval_s": (0.05, 600),
     "engine.queued_comment_after_s": (0, 3600),

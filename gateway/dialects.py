@@ -76,8 +76,10 @@ class Dialect:
         error_event: an error as the final event of a stream whose headers went out.
         adapt_error: the error with this API's status and headers (Anthropic answers an
             unavailable engine with 529); identity for OpenAI's APIs.
-        keepalive: bytes sent while the engine is silent before its first event (prefill), or
-            None for none (OpenAI's APIs: the engine's own timing shows).
+        keepalive: bytes sent every ``server.sse_keepalive_s`` while the engine is silent
+            before its first event (prefill), or None for none. OpenAI's APIs send an SSE
+            comment (``: keep-alive``), which SSE clients ignore (WHATWG HTML, "Server-sent
+            events": lines starting with a colon are comments).
         api_key_header: a header that may carry the API key instead of ``Authorization``
             (Anthropic's ``x-api-key``), or None.
         limit_headers: the rate-limit headers of an answer in this API's names (Anthropic's
@@ -124,6 +126,9 @@ def _openai_json(body: dict[str, Any], settings: Settings, plan: RequestPlan) ->
     return rewrite_completion_body(body, settings.model.alias)
 
 
+OPENAI_KEEPALIVE = b": keep-alive\n\n"
+
+
 def openai_error_body(error: GatewayError) -> bytes:
     """OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``, as JSON."""
     return error.json_bytes()
@@ -142,6 +147,7 @@ CHAT = Dialect(
     json_answer=_openai_json,
     error_body=openai_error_body,
     error_event=openai_error_event,
+    keepalive=OPENAI_KEEPALIVE,
 )
 COMPLETIONS = Dialect(
     name="completions",
@@ -151,4 +157,5 @@ COMPLETIONS = Dialect(
     json_answer=_openai_json,
     error_body=openai_error_body,
     error_event=openai_error_event,
+    keepalive=OPENAI_KEEPALIVE,
 )

@@ -19,8 +19,6 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from aiohttp import web
-
 from gateway.errors import EngineUnavailable
 
 SHUTDOWN_MESSAGE = "qwen38-gateway shutdown"
@@ -88,6 +86,3 @@ class Drain:
         for task in tasks:
             task.cancel(SHUTDOWN_MESSAGE)
         return len(tasks)
-
-
-DRAIN = web.AppKey("drain", Drain)

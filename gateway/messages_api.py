@@ -15,6 +15,7 @@ admission ticket; it counts as one request against the tenant's requests-per-min
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from aiohttp import web
@@ -139,7 +140,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         if translated.chat.get("tools"):
             body["tools"] = translated.chat["tools"]
         answer = await app[UPSTREAM].post(
-            "/tokenize", json.dumps(body, ensure_ascii=False).encode(), context.request_id
+            "/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex
         )
         if answer.status != 200:
             raise await answer.error()

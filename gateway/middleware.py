@@ -111,6 +111,8 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
         if context.caller.principal.subject is not None:
             fields["subject"] = context.caller.principal.subject
     call = context.call
+    if call is not None:
+        fields["engine_request_id"] = call.engine_request_id
     if call is not None and call.plan is not None:
         fields["stream"] = call.plan.stream
         if call.plan.thinking is not None:

@@ -24,11 +24,13 @@ from aiohttp import web
 from gateway.accounting import Accounting
 from gateway.body import parse_body, read_body
 from gateway.dialects import Dialect, PlanInput
+from gateway.drain import Drain
 from gateway.errors import (
     BadRequest,
     EngineUnavailable,
     EngineUnreachable,
     GatewayError,
+    GatewayTimeout,
     RequestQuarantined,
 )
 from gateway.launcher_status import killed_for_hang
@@ -39,6 +41,7 @@ from gateway.state import (
     ADMISSION,
     CLOCK,
     CONTEXT,
+    DRAIN,
     ENGINE_STATE,
     LIMITER,
     METRICS,
@@ -89,7 +92,7 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
         body=parse_body(raw),
         settings=live.settings,
         tenant=call.caller.tenant,
-        request_id=call.context.request_id,
+        request_id=call.engine_request_id,
         salt_secret=live.salt_secret,
     )
     try:
@@ -99,9 +102,17 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
 
 
 async def handle_model_request(request: web.Request, dialect: Dialect) -> web.StreamResponse:
-    """One model request from its body to its settled usage (the stages in the module doc)."""
+    """One model request from its body to its settled usage (the stages in the module doc).
+
+    During a drain (`gateway.drain`) a new request is refused at once with 503 and
+    ``Retry-After``, before its body is read or any limit is touched.
+    """
     app = request.app
     call = open_call(request, dialect)
+    if app[DRAIN].draining:
+        error = Drain.error()
+        error.headers["Connection"] = "close"
+        raise error
     await plan_call(request, call)
     plan = call.plan
     assert plan is not None
@@ -133,7 +144,8 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
         )
         call.ticket = ticket
         try:
-            return await admit_and_call(request, call)
+            with app[DRAIN].track():
+                return await admit_and_call(request, call)
         finally:
             # The tenant's fair share is charged what the engine used, not the reservation.
             ticket.release(sum(call.usage.settle(plan.prompt_estimate)))
@@ -203,10 +215,11 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
     try:
         comment_after = engine.queued_comment_after_s
         if stream is not None and comment_after > 0:
+            every = call.settings.server.sse_keepalive_s or _QUEUED_COMMENT_EVERY_S
             granted = await ticket.wait(comment_after)
             while not granted:
                 await stream.send(_QUEUED_COMMENT)
-                granted = await ticket.wait(_QUEUED_COMMENT_EVERY_S)
+                granted = await ticket.wait(every)
         else:
             await ticket.wait(None)
         call.queued_s = ticket.waited_s
@@ -249,7 +262,70 @@ async def call_engine(
     its fingerprint was quarantined by that death or the launcher killed the engine for a hang;
     one that got any byte is never sent again.
     While at the engine the request is a quarantine suspect (`gateway.quarantine`).
+
+    The request's total time limit (`time_limit`) runs from here, the same for streamed and
+    non-streamed answers; when it fires the engine request is aborted and the client gets 504
+    (an error event on a stream). A drain that reaches its grace ends the request the same way
+    with 503 ``shutting_down`` (logged ``reason="shutdown"``, not as a client disconnect).
     """
+    task = asyncio.current_task()
+    limit = time_limit(call)
+    timed_out = False
+
+    def expire() -> None:
+        nonlocal timed_out
+        timed_out = True
+        if task is not None:
+            task.cancel("time limit")
+
+    timer = asyncio.get_running_loop().call_later(limit, expire) if limit else None
+    try:
+        return await _call_engine(request, call, stream, queued_budget)
+    except asyncio.CancelledError:
+        cut: GatewayError
+        if request.app[DRAIN].cut_by_shutdown():
+            cut = Drain.error()
+        elif timed_out:
+            cut = GatewayTimeout(
+                f"The request exceeded its time limit of {limit:g} s at the engine "
+                "(engine.request_timeout_s or engine.min_tokens_per_s)."
+            )
+            request.app[UPSTREAM].count(cut.kind)
+        else:
+            client_gone(request, call)
+            raise
+        if task is not None and hasattr(task, "uncancel"):
+            task.uncancel()  # the cancellation is handled: the answer below is sent
+        call.context.reason = cut.reason
+        if stream is None or stream.response is None:
+            raise cut from None
+        return await stream.end_with_error(cut)
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def time_limit(call: ModelCall) -> float | None:
+    """Seconds the request may take at the engine, or None for no limit.
+
+    ``engine.request_timeout_s`` when set; else ``engine.read_timeout_s`` (the prefill
+    allowance) plus every output token the request may generate (``reserve_tokens`` minus the
+    prompt estimate: n x max_tokens, times the prompts of a completions list) at
+    ``engine.min_tokens_per_s``; None when both are 0.
+    """
+    assert call.plan is not None
+    engine = call.settings.engine
+    if engine.request_timeout_s > 0:
+        return engine.request_timeout_s
+    if engine.min_tokens_per_s <= 0:
+        return None
+    output = max(0, call.plan.reserve_tokens - call.plan.prompt_estimate)
+    return engine.read_timeout_s + output / engine.min_tokens_per_s
+
+
+async def _call_engine(
+    request: web.Request, call: ModelCall, stream: ClientStream | None, queued_budget: float
+) -> web.StreamResponse:
     assert call.plan is not None
     app = request.app
     upstream = app[UPSTREAM]
@@ -266,7 +342,10 @@ async def call_engine(
                 quarantine.check(fingerprint, call.caller.label)  # quarantined while waiting
                 token = quarantine.started(fingerprint, call.context.request_id)
             answer = await upstream.post(
-                call.dialect.engine_path, call.plan.body, call.context.request_id
+                call.dialect.engine_path,
+                call.plan.body,
+                call.engine_request_id,
+                stream=call.plan.stream,
             )
             break
         except EngineUnavailable as exc:
@@ -317,9 +396,6 @@ async def call_engine(
             result = await relay_json(call, answer)
         complete = True
         return result
-    except asyncio.CancelledError:
-        client_gone(request, call)
-        raise
     finally:
         if token is not None:
             quarantine.finished(token, dropped=not complete or answer.broken)

@@ -143,6 +143,9 @@ async def relay_stream(
     state = relay.state
     failure: GatewayError | None = None
     keepalive = call.dialect.keepalive
+    every = call.settings.server.sse_keepalive_s
+    if every <= 0:
+        keepalive = None
     try:
         await stream.start()
         try:
@@ -150,7 +153,7 @@ async def relay_stream(
                 opening = getattr(relay, "start", None)
                 if opening is not None:
                     await stream.send(opening())
-                first = await _first_read(answer, stream, keepalive)
+                first = await _first_read(answer, stream, keepalive, every)
                 if first is not None:
                     answer_reads: Any = _prepend(first, answer)
                 else:
@@ -188,14 +191,12 @@ async def relay_stream(
             usage.reasoning_tokens = state.usage.reasoning_tokens
 
 
-KEEPALIVE_EVERY_S = 5.0
-
-
 async def _first_read(
-    answer: UpstreamAnswer, stream: ClientStream, keepalive: bytes
+    answer: UpstreamAnswer, stream: ClientStream, keepalive: bytes, every: float
 ) -> bytes | None:
-    """The engine's first read, sending ``keepalive`` every `KEEPALIVE_EVERY_S` seconds while
-    it is silent (prefill of a long prompt takes minutes); None at the end of the body.
+    """The engine's first read, sending ``keepalive`` every ``every`` seconds
+    (``server.sse_keepalive_s``) while it is silent (prefill of a long prompt takes minutes),
+    so idle timeouts of clients and proxies do not fire; None at the end of the body.
 
     Raises:
         UpstreamError: the engine failed before its first byte.
@@ -204,7 +205,7 @@ async def _first_read(
     pending = asyncio.ensure_future(answer.__anext__())
     try:
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_EVERY_S)
+            done, _ = await asyncio.wait({pending}, timeout=every)
             if done:
                 break
             await stream.send(keepalive)

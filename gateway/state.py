@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from gateway.auth import Authenticator, Principal
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, Dialect
+from gateway.drain import Drain
 from gateway.metrics import Metrics
 from gateway.quarantine import Quarantine
 from gateway.quota import QuotaReservation
@@ -182,6 +184,10 @@ class ModelCall:
         ticket: the admission ticket, once queued.
         usage: the token counts.
         queued_s: seconds waited in the admission queue, once granted.
+        engine_request_id: the id the engine gets (body ``request_id`` and ``X-Request-Id``):
+            a fresh UUID per model request whatever the client sent, because vLLM's aborts and
+            duplicate-id handling key on it; the client's ``X-Request-Id`` stays its own (echoed
+            and logged as ``request_id``).
         ttft_s: seconds from arrival to the first event relayed, for streams.
         fingerprint: the engine body's quarantine fingerprint (`gateway.quarantine`), or None
             while the quarantine is off.
@@ -198,6 +204,7 @@ class ModelCall:
     queued_s: float | None = None
     ttft_s: float | None = None
     fingerprint: str | None = None
+    engine_request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def live(self) -> Live:
@@ -223,6 +230,7 @@ QUARANTINE = web.AppKey("quarantine", Quarantine)
 RELOADER = web.AppKey("reloader", Reloader)
 CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")
 STARTED = web.AppKey("started", float)
+DRAIN = web.AppKey("drain", Drain)
 # Route template -> the client API it speaks (error shape); routes not listed speak OpenAI's.
 DIALECTS: web.AppKey[dict[str, Dialect]] = web.AppKey("dialects")
 # Called with the finished `RequestContext` after the access line (the usage ledger's record).

@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import aiohttp
 import structlog
@@ -145,7 +145,9 @@ class Upstream:
             detail = type(cause).__name__ if cause is not None else kind
             log.warning("upstream_error", kind=kind, error=detail)
 
-    async def post(self, path: str, body: bytes, request_id: str) -> UpstreamAnswer:
+    async def post(
+        self, path: str, body: bytes, request_id: str, *, stream: bool = True
+    ) -> UpstreamAnswer:
         """POST a JSON body; return the answer with its headers read and its body unread.
 
         Never retried on a live engine: a connection that drops may have carried a whole
@@ -165,9 +167,16 @@ class Upstream:
             "Accept": "application/json, text/event-stream",
             "X-Request-Id": request_id,
         }
+        # A non-streaming answer is silent until it is complete: no read timeout (the caller's
+        # total time limit bounds it instead).
+        options: dict[str, Any] = {}
+        if not stream:
+            options["timeout"] = aiohttp.ClientTimeout(
+                total=None, connect=self.settings.connect_timeout_s, sock_read=None
+            )
         try:
             response = await self.session.post(
-                f"http://engine{path}", data=body, headers=headers, compress=False
+                f"http://engine{path}", data=body, headers=headers, compress=False, **options
             )
         except _CONNECT_ERRORS as exc:
             raise self.failed(EngineUnreachable(), exc) from exc

@@ -466,9 +466,9 @@ def test_c15_long_silences_are_not_cut(stack: Gateway) -> None:
 
 
 def test_c15_read_timeout_gives_504_and_aborts(sim_factory: Any, gateway_factory: Any) -> None:
-    """C15: when engine.read_timeout_s fires, the client gets 504 (JSON or error event) and the engine is aborted."""
+    """C15: a stream silent past engine.read_timeout_s, or a request past its total limit, gets 504 (JSON or error event) and the engine is aborted."""
     sim = sim_factory()
-    gw = gateway_factory(sim, {"engine": {"read_timeout_s": 1.0}})
+    gw = gateway_factory(sim, {"engine": {"read_timeout_s": 1.0, "request_timeout_s": 2.0}})
     r = httpx.post(
         gw.url("/v1/chat/completions"), headers=AUTH, json=body({"headers_delay_s": 3}), timeout=30
     )

@@ -302,3 +302,60 @@ def _refused(gw: Gateway) -> bool:
     except httpx.HTTPError:
         return True
     return r.status_code == 503
+
+
+def test_c21_open_streams_end_with_an_error_event_at_the_grace(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """C21: two open streams run through the grace then get an SSE error event, logged as shutdown; a kept-alive connection gets 503 or is closed; exit within grace + 2 s."""
+    grace = 3.0
+    gw = gateway_factory(
+        sim_factory(),
+        {"server": {"shutdown_grace_s": grace}, "engine": {"max_concurrency": 2}},
+    )
+    slow = chat({"tokens_per_second": 4, "completion_tokens": 400}, stream=True)
+    raws: dict[int, bytes] = {}
+    started = [threading.Event(), threading.Event()]
+
+    def stream(index: int) -> None:
+        raw = b""
+        try:
+            with httpx.stream(
+                "POST", gw.url("/v1/chat/completions"), json=slow, headers=AUTH, timeout=30
+            ) as r:
+                for data in r.iter_raw():
+                    raw += data
+                    started[index].set()
+        except httpx.HTTPError as exc:
+            raw += b"\nCLIENT-ERROR " + type(exc).__name__.encode()
+        raws[index] = raw
+
+    workers = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for worker in workers:
+        worker.start()
+    assert all(event.wait(10) for event in started)
+    kept = httpx.Client(timeout=10)
+    assert kept.get(gw.url("/health")).status_code == 200  # a kept-alive connection
+    signalled = time.monotonic()
+    gw.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    try:
+        again = kept.post(gw.url("/v1/chat/completions"), json=chat(), headers=AUTH)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "shutting_down"
+    except httpx.HTTPError:
+        pass  # the idle kept-alive connection was closed: also a refusal
+    kept.close()
+    assert _refused(gw)
+    for worker in workers:
+        worker.join(grace + 5)
+    gw.proc.wait(grace + 5)
+    assert time.monotonic() - signalled < grace + 2.0
+    for raw in raws.values():
+        payloads = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        assert len(payloads) > 5, "the stream did not run during the grace"
+        assert json.loads(payloads[-1])["error"]["code"] == "shutting_down", raw[-300:]
+        assert b"[DONE]" not in raw
+    lines = [e for e in gw.access_logs() if e.get("route") == "/v1/chat/completions"]
+    cut = [e for e in lines if e.get("reason") == "shutdown"]
+    assert len(cut) >= 2, lines
+    assert not [e for e in lines if e.get("reason") == "client_disconnect"]

@@ -73,3 +73,84 @@ def test_c24_non_json_engine_events_are_dropped(stack: Gateway) -> None:
     dropped = [e for e in stack.logs() if e.get("event") == "engine_event_dropped"]
     ids = [e.get("request_id") for e in dropped]
     assert len(ids) >= 2 and len(set(ids)) == len(ids), "logged once per request"
+
+
+# ----------------------------------------------------------------------------------------- C22
+
+
+def test_c22_keepalive_comments_while_the_engine_prefills(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """C22: 5 s of engine silence after the headers: SSE comments every second keep a 2 s read timeout from firing; TTFT still counts the silence."""
+    gw = gateway_factory(sim_factory(), {"server": {"sse_keepalive_s": 1.0}})
+    sim = {"silence_s": 5, "completion_tokens": 6}
+    client = openai.OpenAI(
+        base_url=gw.url("/v1"),
+        api_key=KEY_A,
+        max_retries=0,
+        timeout=httpx.Timeout(30, read=2.0),
+    )
+    stream = client.chat.completions.create(
+        model=ALIAS,
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        extra_body={"sim": sim},
+    )
+    chunks = [c for c in stream if c.choices]
+    assert chunks and "".join(c.choices[0].delta.content or "" for c in chunks)
+    status, raw = raw_stream(gw, chat(sim))
+    assert status == 200
+    head = raw[: raw.index(b"data:")]
+    assert head.count(b": keep-alive\n\n") >= 3, head
+    payloads = data_payloads(raw)
+    assert payloads[-1] == b"[DONE]" and all(isinstance(json.loads(p), dict) for p in payloads[:-1])
+    time.sleep(0.2)
+    lines = [e for e in gw.access_logs() if e.get("ttft_ms") is not None]
+    assert lines and all(e["ttft_ms"] >= 5000 for e in lines[-2:])
+
+
+# ----------------------------------------------------------------------------------------- C20
+
+
+def test_c20_long_answers_are_not_cut_by_a_read_timeout(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """C20: answers that take longer than engine.read_timeout_s complete, streamed or not, with the openai SDK."""
+    gw = gateway_factory(sim_factory(), {"engine": {"read_timeout_s": 1.0}})
+    sim = {"tokens_per_second": 10, "completion_tokens": 25, "headers_delay_s": 1.5}
+    answer = sdk(gw).chat.completions.create(
+        model=ALIAS, messages=[{"role": "user", "content": "hi"}], extra_body={"sim": sim}
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 25
+    status, raw = raw_stream(gw, chat({"tokens_per_second": 10, "completion_tokens": 25}))
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+
+
+def test_c20_derived_time_limit_gives_504_and_aborts(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """C20: a limit derived from max_tokens and engine.min_tokens_per_s cuts a too-slow engine the same way streamed or not: 504, engine aborted."""
+    sim_proc = sim_factory()
+    gw = gateway_factory(sim_proc, {"engine": {"read_timeout_s": 1.0, "min_tokens_per_s": 40.0}})
+    slow = {"tokens_per_second": 5, "completion_tokens": 40}
+    started = time.monotonic()
+    r = httpx.post(
+        gw.url("/v1/chat/completions"),
+        json=chat(slow, max_tokens=40),
+        headers=AUTH,
+        timeout=30,
+    )
+    took = time.monotonic() - started
+    assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+    assert "time limit of 2 s" in r.json()["error"]["message"]
+    assert 1.5 < took < 5
+    status, raw = raw_stream(gw, chat(slow, max_tokens=40))
+    assert status == 200
+    assert json.loads(data_payloads(raw)[-1])["error"]["code"] == "upstream_timeout"
+    assert b"[DONE]" not in raw
+    aborted = [r for r in sim_proc.model_records() if r.get("outcome") == "aborted"]
+    deadline = time.monotonic() + 5
+    while len(aborted) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        aborted = [r for r in sim_proc.model_records() if r.get("outcome") == "aborted"]
+    assert len(aborted) == 2
