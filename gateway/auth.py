@@ -87,6 +87,11 @@ class Authenticator:
         self._max_ttl_s = max_ttl_s
         self._clock = clock
 
+    def is_api_key(self, text: str) -> bool:
+        """True when ``text`` is one of the loaded API keys (by its SHA-256; for refusing to
+        echo or log a key a client put where an id belongs)."""
+        return secret_digest(text) in self._by_digest
+
     def authenticate(self, authorization: str | None) -> Principal:
         """Check one ``Authorization`` header value (``Bearer <key or JWT>``, scheme any case).
 

@@ -42,7 +42,8 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 def sane_request_id(value: str) -> bool:
     """A client request id is kept when short and plain, and not shaped like a credential
-    (an ``sk-`` key or a JWT sent by mistake would otherwise reach logs and the engine)."""
+    (an ``sk-`` key or a JWT sent by mistake would otherwise reach logs and the engine; a
+    loaded API key without such a prefix is refused by the caller, by its digest)."""
     return bool(_REQUEST_ID_RE.match(value)) and not value.startswith(("sk-", "eyJ"))
 
 
@@ -61,11 +62,17 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
     "client closed request").
     """
     app = request.app
+    live = app[LIVE].current
     supplied = request.headers.get("X-Request-Id", "")
-    request_id = supplied if sane_request_id(supplied) else uuid.uuid4().hex
+    client_id = sane_request_id(supplied) and not live.auth.is_api_key(supplied)
+    request_id = supplied if client_id else uuid.uuid4().hex
     template, route = _route(request)
     context = RequestContext(
-        request_id=request_id, started=app[CLOCK](), route=route, live=app[LIVE].current
+        request_id=request_id,
+        started=app[CLOCK](),
+        route=route,
+        live=live,
+        client_request_id=client_id,
     )
     dialect = app[DIALECTS].get(template)
     if dialect is not None:
@@ -111,7 +118,7 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
         if context.caller.principal.subject is not None:
             fields["subject"] = context.caller.principal.subject
     call = context.call
-    if call is not None:
+    if call is not None and call.engine_request_id != context.request_id:
         fields["engine_request_id"] = call.engine_request_id
     if call is not None and call.plan is not None:
         fields["stream"] = call.plan.stream

@@ -16,6 +16,7 @@ path: success, error, client disconnect, cancellation.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 
 import structlog
@@ -73,7 +74,10 @@ def open_call(request: web.Request, dialect: Dialect) -> ModelCall:
     context = request[CONTEXT]
     caller = context.caller
     assert isinstance(caller, Caller), "authentication runs before the model path"
-    call = ModelCall(context=context, caller=caller, dialect=dialect)
+    engine_id = context.request_id
+    if context.client_request_id:
+        engine_id = f"{engine_id}-{secrets.token_hex(6)}"
+    call = ModelCall(context=context, caller=caller, dialect=dialect, engine_request_id=engine_id)
     context.call = call
     return call
 

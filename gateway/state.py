@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import secrets
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -139,6 +138,7 @@ class RequestContext:
 
     Attributes:
         request_id: the client's ``X-Request-Id`` when sane, else a fresh UUID (hex).
+        client_request_id: ``request_id`` is the client's (not generated here).
         started: clock reading at arrival (seconds, the app's monotonic clock).
         route: the route template (bounded, `gateway.metrics.ROUTES`).
         live: the configuration snapshot this request runs under.
@@ -154,6 +154,7 @@ class RequestContext:
     started: float
     route: str
     live: Live
+    client_request_id: bool = False
     dialect: Dialect = CHAT
     caller: Caller | None = None
     call: ModelCall | None = None
@@ -184,10 +185,11 @@ class ModelCall:
         ticket: the admission ticket, once queued.
         usage: the token counts.
         queued_s: seconds waited in the admission queue, once granted.
-        engine_request_id: the id the engine gets (body ``request_id`` and ``X-Request-Id``):
-            a fresh UUID per model request whatever the client sent, because vLLM's aborts and
-            duplicate-id handling key on it; the client's ``X-Request-Id`` stays its own (echoed
-            and logged as ``request_id``).
+        engine_request_id: the id the engine gets (body ``request_id`` and ``X-Request-Id``),
+            unique per model request whatever clients send, because vLLM's aborts and
+            duplicate-id handling key on it: the gateway's own id, or the client's
+            ``X-Request-Id`` followed by ``-`` and 12 random hex digits (so it still shows in
+            the engine's logs and the completion ``id``). Set by `gateway.proxy.open_call`.
         ttft_s: seconds from arrival to the first event relayed, for streams.
         fingerprint: the engine body's quarantine fingerprint (`gateway.quarantine`), or None
             while the quarantine is off.
@@ -204,7 +206,7 @@ class ModelCall:
     queued_s: float | None = None
     ttft_s: float | None = None
     fingerprint: str | None = None
-    engine_request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    engine_request_id: str = ""
 
     @property
     def live(self) -> Live:

@@ -74,6 +74,7 @@ ROUTE_LABELS = {
 TENANT_LABELS = {"acme", "beta", "tight", "default", "unknown"}
 HTTP_CODES = {str(int(status)) for status in http.HTTPStatus} | {"499"}
 ACCESS_FIELDS = {
+    "engine_request_id",
     "event",
     "level",
     "logger",
@@ -207,7 +208,8 @@ def engine_usage(sim: Sim, request_id: str) -> tuple[int, int]:
     """
     for record in sim.model_records():
         headers = {k.lower(): v for k, v in record["headers"].items()}
-        if headers.get("x-request-id") != request_id:
+        engine_id = headers.get("x-request-id") or ""
+        if engine_id != request_id and not engine_id.startswith(request_id + "-"):
             continue
         body = record["body"]
         if record["path"] == "/v1/chat/completions":
