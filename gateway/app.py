@@ -29,7 +29,12 @@ from gateway.limiter import create_rate_limiter
 from gateway.logs import set_level
 from gateway.messages_api import ANTHROPIC, count_tokens
 from gateway.metrics import Metrics
-from gateway.middleware import auth_middleware, context_middleware, error_middleware
+from gateway.middleware import (
+    auth_middleware,
+    context_middleware,
+    error_middleware,
+    expect_continue,
+)
 from gateway.proxy import model_handler, record_call
 from gateway.quarantine import Quarantine, fingerprint_key
 from gateway.reload import Reloader
@@ -166,14 +171,14 @@ def create_app(
         ("/v1/messages", ANTHROPIC),
         ("/v1/responses", responses),
     ):
-        app.router.add_post(route, model_handler(dialect))
+        app.router.add_post(route, model_handler(dialect), expect_handler=expect_continue)
         app[DIALECTS][route] = dialect
-    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens, expect_handler=expect_continue)
     app[DIALECTS]["/v1/messages/count_tokens"] = ANTHROPIC
     stored = "/v1/responses/{response_id}"
     app.router.add_get(stored, get_response, allow_head=False)
     app.router.add_delete(stored, delete_response)
-    app.router.add_post(stored + "/cancel", cancel_response)
+    app.router.add_post(stored + "/cancel", cancel_response, expect_handler=expect_continue)
     app[DIALECTS][stored] = responses
     app[DIALECTS][stored + "/cancel"] = responses
     app.router.add_get("/v1/models", list_models, allow_head=False)

@@ -17,14 +17,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
+from gateway.dialects import CHAT, Dialect
 from gateway.errors import GatewayError, HttpError, MethodNotAllowed, NotFound
 from gateway.metrics import ROUTES
 from gateway.state import (
     CLOCK,
     CONTEXT,
     DIALECTS,
+    DRAIN,
     FINISH_HOOKS,
     LIVE,
     METRICS,
@@ -164,12 +166,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         error = GatewayError("Internal server error.")
         context.reason = "internal"
     error = context.dialect.adapt_error(error)
-    return web.Response(
+    response = web.Response(
         status=error.status,
         body=context.dialect.error_body(error),
         content_type="application/json",
         headers=error.headers,
     )
+    if request.headers.get("Expect") and not request.content.is_eof():
+        response.force_close()  # the body was never asked for: do not wait for it
+    return response
 
 
 def _translate_http(exc: web.HTTPException) -> GatewayError:
@@ -188,6 +193,47 @@ def _translate_http(exc: web.HTTPException) -> GatewayError:
     return error
 
 
+def credential(request: web.Request, dialect: Dialect) -> str | None:
+    """The request's ``Authorization`` value, or the dialect's API-key header (Anthropic's
+    ``x-api-key``) as a Bearer credential when there is no ``Authorization``."""
+    authorization = request.headers.get("Authorization")
+    key_header = dialect.api_key_header
+    if authorization is None and key_header is not None and key_header in request.headers:
+        authorization = "Bearer " + request.headers[key_header]
+    return authorization
+
+
+async def expect_continue(request: web.Request) -> None:
+    """aiohttp ``expect_handler`` of the POST routes: ``100 Continue`` only for a request that
+    will be accepted (RFC 9110 section 10.1.1).
+
+    A client that sends ``Expect: 100-continue`` waits for it before uploading the body, so a
+    missing or bad credential, a ``Content-Length`` over ``server.max_body_bytes`` or a gateway
+    that is draining are answered (401, 413, 503, by the usual middlewares and handler, logged
+    once) without the body ever being sent. Any other expectation is ignored rather than
+    answered with aiohttp's 417 page, which quotes the header.
+    """
+    if request.version != HttpVersion11:
+        return
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return
+    app = request.app
+    live = app[LIVE].current
+    limit = live.settings.server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return
+    if app[DRAIN].draining:
+        return
+    template, _ = _route(request)
+    dialect = app[DIALECTS].get(template, CHAT)
+    try:
+        live.auth.authenticate(credential(request, dialect))
+    except GatewayError:
+        return
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the response proper has not started (aiohttp's default)
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every path but /health and /ready needs a credential, unknown paths included (C14).
@@ -200,11 +246,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     context = request[CONTEXT]
     live = context.live
     try:
-        authorization = request.headers.get("Authorization")
-        key_header = context.dialect.api_key_header
-        if authorization is None and key_header is not None and key_header in request.headers:
-            authorization = "Bearer " + request.headers[key_header]
-        principal = live.auth.authenticate(authorization)
+        principal = live.auth.authenticate(credential(request, context.dialect))
     except GatewayError as exc:
         request.app[METRICS].auth_failures.labels(exc.reason).inc()
         raise

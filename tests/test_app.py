@@ -227,12 +227,19 @@ async def test_engine_closing_the_connection_is_502_disconnect(stack: Stack) -> 
 
 
 async def test_engine_silent_past_the_read_timeout_is_504(aiohttp_client: Any) -> None:
-    """An engine that accepts and never answers is 504 after ``engine.read_timeout_s``; the
-    slot is given back."""
-    async with open_stack(aiohttp_client, {"engine": {"read_timeout_s": 0.2}}) as stack:
-        r = await stack.client.post(CHAT, json=chat_body(sim={"hang": True}), headers=AUTH_A)
+    """An engine that accepts a stream and never answers is 504 after ``engine.read_timeout_s``;
+    a non-streaming request (no read timeout: its answer is silent until complete) is 504 at
+    its total limit; the slot is given back."""
+    config = {"engine": {"read_timeout_s": 0.2, "request_timeout_s": 0.5}}
+    async with open_stack(aiohttp_client, config) as stack:
+        body = chat_body(stream=True, sim={"hang": True})
+        r = await stack.client.post(CHAT, json=body, headers=AUTH_A)
         assert r.status == 504 and (await r.json())["error"]["code"] == "upstream_timeout"
         assert sample(stack, "gateway_upstream_errors_total", kind="timeout") == 1
+        r = await stack.client.post(CHAT, json=chat_body(sim={"hang": True}), headers=AUTH_A)
+        assert r.status == 504 and (await r.json())["error"]["code"] == "upstream_timeout"
+        assert "time limit of 0.5 s" in (await r.json())["error"]["message"]
+        assert sample(stack, "gateway_upstream_errors_total", kind="timeout") == 2
         assert stack.app[ADMISSION].in_flight == 0
 
 

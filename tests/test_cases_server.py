@@ -359,3 +359,43 @@ def test_c21_open_streams_end_with_an_error_event_at_the_grace(
     cut = [e for e in lines if e.get("reason") == "shutdown"]
     assert len(cut) >= 2, lines
     assert not [e for e in lines if e.get("reason") == "client_disconnect"]
+
+
+# ---------------------------------------------------------------------------- 100 Continue
+
+
+def expect_exchange(gw: Gateway, key: str | None, length: int, body: bytes = b"") -> bytes:
+    """Send headers with ``Expect: 100-continue``; upload ``body`` only if 100 Continue comes."""
+    parsed = urlparse(gw.base_url)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\nExpect: 100-continue\r\n"
+    )
+    if key is not None:
+        head += f"Authorization: Bearer {key}\r\n"
+    with socket.create_connection((parsed.hostname, parsed.port), timeout=10) as sock:
+        sock.sendall(head.encode() + b"\r\n")
+        first = sock.recv(65536)
+        if first.startswith(b"HTTP/1.1 100 Continue\r\n\r\n") and body:
+            sock.sendall(body)
+            rest = b""
+            while b"\r\n\r\n" not in rest or not rest.rstrip().endswith(b"}"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                rest += chunk
+            return first + rest
+        return first
+
+
+def test_expect_100_continue_only_for_requests_that_will_be_accepted(stack: Gateway) -> None:
+    """Validation before 100 Continue: a bad or missing key or an oversized body is refused before the upload; a good one gets 100 then 200."""
+    body = json.dumps(chat(max_tokens=2)).encode()
+    for key in ("sk-q38-not-a-real-key-0000000000000", None):
+        answer = expect_exchange(stack, key, len(body))
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:60]
+        assert b"100 Continue" not in answer
+    answer = expect_exchange(stack, KEY_A, 64 * 1024 * 1024)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:60]
+    answer = expect_exchange(stack, KEY_A, len(body), body)
+    assert answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"), answer[:80]
