@@ -193,10 +193,10 @@ def test_max_tokens_larger_than_the_context_refused_first(stack: Gateway) -> Non
 
 def test_completions_default_to_16_tokens(stack: Gateway) -> None:
     """/v1/completions without max_tokens generates at most 16 tokens, as the OpenAI API and vLLM do."""
-    client = openai.OpenAI(base_url=stack.url("/v1"), api_key=KEY_A, max_retries=0)
-    answer = client.completions.create(
-        model=ALIAS, prompt="Once upon a time", extra_body={"sim": {"completion_tokens": 200}}
-    )
+    with openai.OpenAI(base_url=stack.url("/v1"), api_key=KEY_A, max_retries=0) as client:
+        answer = client.completions.create(
+            model=ALIAS, prompt="Once upon a time", extra_body={"sim": {"completion_tokens": 200}}
+        )
     assert answer.usage is not None and answer.usage.completion_tokens == 16
     assert stack.sim is not None
     assert stack.sim.model_records()[-1]["body"]["max_tokens"] == 16

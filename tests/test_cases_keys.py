@@ -154,8 +154,8 @@ def test_c18_blocking_keys_path_is_refused(
     assert wait_until(lambda: models_status(gw, KEY_B) == 200, 5)
     started = time.monotonic()
     gw.proc.send_signal(signal.SIGTERM)
-    gw.proc.wait(10)
-    assert time.monotonic() - started < 3.0 + 2.0
+    gw.proc.wait(30)
+    assert time.monotonic() - started < 3.0 + 2.0 + 3.0
 
 
 def test_c18_fifo_with_a_blocked_writer_never_stalls(
@@ -171,8 +171,9 @@ def test_c18_fifo_with_a_blocked_writer_never_stalls(
         time.sleep(0.2)
     started = time.monotonic()
     gw.proc.send_signal(signal.SIGTERM)
-    gw.proc.wait(10)
-    assert time.monotonic() - started < 2.0 + 2.0
+    gw.proc.wait(30)
+    # grace 2 s + 2 s, plus room for a loaded CI machine flushing the usage ledger at exit
+    assert time.monotonic() - started < 2.0 + 2.0 + 3.0
 
 
 async def test_c18_hung_file_call_times_out_and_is_not_repeated(tmp_path: Path) -> None:

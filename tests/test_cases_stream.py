@@ -61,13 +61,14 @@ def test_c24_non_json_engine_events_are_dropped(stack: Gateway) -> None:
     for payload in payloads[:-1]:
         assert isinstance(json.loads(payload), dict), payload
     assert len(payloads) >= 8
-    stream = sdk(stack).chat.completions.create(
-        model=ALIAS,
-        messages=[{"role": "user", "content": "hi"}],
-        stream=True,
-        extra_body={"sim": {"junk_events": True, "completion_tokens": 8}},
-    )
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    with sdk(stack) as client:
+        stream = client.chat.completions.create(
+            model=ALIAS,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            extra_body={"sim": {"junk_events": True, "completion_tokens": 8}},
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text
     time.sleep(0.2)
     dropped = [e for e in stack.logs() if e.get("event") == "engine_event_dropped"]
@@ -84,19 +85,19 @@ def test_c22_keepalive_comments_while_the_engine_prefills(
     """C22: 5 s of engine silence after the headers: SSE comments every second keep a 2 s read timeout from firing; TTFT still counts the silence."""
     gw = gateway_factory(sim_factory(), {"server": {"sse_keepalive_s": 1.0}})
     sim = {"silence_s": 5, "completion_tokens": 6}
-    client = openai.OpenAI(
+    with openai.OpenAI(
         base_url=gw.url("/v1"),
         api_key=KEY_A,
         max_retries=0,
         timeout=httpx.Timeout(30, read=2.0),
-    )
-    stream = client.chat.completions.create(
-        model=ALIAS,
-        messages=[{"role": "user", "content": "hi"}],
-        stream=True,
-        extra_body={"sim": sim},
-    )
-    chunks = [c for c in stream if c.choices]
+    ) as client:
+        stream = client.chat.completions.create(
+            model=ALIAS,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            extra_body={"sim": sim},
+        )
+        chunks = [c for c in stream if c.choices]
     assert chunks and "".join(c.choices[0].delta.content or "" for c in chunks)
     status, raw = raw_stream(gw, chat(sim))
     assert status == 200
@@ -118,9 +119,10 @@ def test_c20_long_answers_are_not_cut_by_a_read_timeout(
     """C20: answers that take longer than engine.read_timeout_s complete, streamed or not, with the openai SDK."""
     gw = gateway_factory(sim_factory(), {"engine": {"read_timeout_s": 1.0}})
     sim = {"tokens_per_second": 10, "completion_tokens": 25, "headers_delay_s": 1.5}
-    answer = sdk(gw).chat.completions.create(
-        model=ALIAS, messages=[{"role": "user", "content": "hi"}], extra_body={"sim": sim}
-    )
+    with sdk(gw) as client:
+        answer = client.chat.completions.create(
+            model=ALIAS, messages=[{"role": "user", "content": "hi"}], extra_body={"sim": sim}
+        )
     assert answer.usage is not None and answer.usage.completion_tokens == 25
     status, raw = raw_stream(gw, chat({"tokens_per_second": 10, "completion_tokens": 25}))
     assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
