@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -10,9 +11,21 @@ import pytest
 
 from tests.conftest import ALIAS, KEY_A, Gateway
 
+_CLIENTS: list[openai.OpenAI] = []
+
 
 def sdk(gw: Gateway, key: str = KEY_A, **kwargs: object) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.url("/v1"), api_key=key, **kwargs)  # type: ignore[arg-type]
+    client = openai.OpenAI(base_url=gw.url("/v1"), api_key=key, **kwargs)  # type: ignore[arg-type]
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_sdk_clients() -> Iterator[None]:
+    """Close every client a test made (an unclosed connection is a ResourceWarning, an error)."""
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
 
 
 def test_sdk_non_stream_thinking_on_has_reasoning_content(stack: Gateway) -> None:
