@@ -124,6 +124,30 @@ def test_request_that_killed_the_engine_twice_is_refused_the_third_time(
     assert cli(gw, "clear", fp).returncode == 1
 
 
+def test_the_same_request_queued_behind_is_refused_at_its_turn(
+    crashing: tuple[Gateway, Restarter],
+) -> None:
+    """A copy of the poison waiting in the queue is refused when its turn comes, without
+    reaching the engine: two crashes in all."""
+    gw, restarter = crashing
+    errors: list[Exception] = []
+
+    def poison(key: str) -> None:
+        try:
+            ask(gw, key, POISON)
+        except openai.APIStatusError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=poison, args=(key,)) for key in (KEY_A, KEY_B)]
+    threads[0].start()
+    time.sleep(0.4)
+    threads[1].start()
+    for thread in threads:
+        thread.join(60)
+    assert [type(e) for e in errors] == [openai.UnprocessableEntityError] * 2
+    assert restarter.crashes == 2 and gw.metric("gateway_engine_retries_total") == 1
+
+
 def cli(gw: Gateway, *args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "gateway", "quarantine", args[0], "--config"]
     return subprocess.run(
