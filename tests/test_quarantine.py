@@ -64,12 +64,13 @@ def client(gw: Gateway, key: str = KEY_A) -> openai.OpenAI:
 
 def ask(gw: Gateway, key: str, sim: dict[str, Any] | None = None, content: str = "hi") -> Any:
     extra = {"sim": sim} if sim else None
-    return client(gw, key).chat.completions.create(
-        model=ALIAS,
-        messages=[{"role": "user", "content": content}],
-        max_tokens=8,
-        extra_body=extra,
-    )
+    with client(gw, key) as openai_client:
+        return openai_client.chat.completions.create(
+            model=ALIAS,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=8,
+            extra_body=extra,
+        )
 
 
 def test_request_that_killed_the_engine_twice_is_refused_the_third_time(
