@@ -15,8 +15,10 @@ from typing import Any
 import openai
 import pytest
 
+from engine.command import build_launch
+from engine.config import load_settings
 from tests.conftest import ALIAS, KEY_A, Gateway
-from tests.realengine.launcher import MAX_MODEL_LEN
+from tests.realengine.launcher import CPU_CONFIG, MAX_MODEL_LEN
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
@@ -371,3 +373,13 @@ def test_prompt_longer_than_the_context_is_the_engines_400(engine_gateway: Gatew
     assert isinstance(body, dict) and body.get("message")
     assert str(MAX_MODEL_LEN) in str(body["message"])
     assert engine_gateway.metric("gateway_requests_total", status="500") == 0
+
+
+def test_cpu_engine_config_launches_upstream_vllm_cpu() -> None:
+    """deploy/etc/engine.cpu.toml loads and asks for the CPU attention backend, eager mode and
+    a 1 GiB KV cache, the flags upstream vLLM's CPU build accepts."""
+    launch = build_launch(load_settings(CPU_CONFIG).engine)
+    argv = list(launch.argv)
+    assert argv[argv.index("--attention-backend") + 1] == "CPU_ATTN"
+    assert "FLASH_ATTN_V100" not in argv and "--enforce-eager" in argv
+    assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
