@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +37,14 @@ ABORT_WITHIN_S = 1.0
 
 
 def long_stream_body(engine: LaunchedEngine, **extra: Any) -> dict[str, Any]:
-    """A chat stream that generates ``LONG_TOKENS`` tokens (seconds on either engine)."""
+    """A chat stream that generates ``LONG_TOKENS`` tokens (seconds on either engine).
+
+    Each body is new (a nonce in the prompt): the gateway quarantines a request that was at the
+    engine each time it died, and these tests kill the engine on purpose.
+    """
     body: dict[str, Any] = {
         "model": ALIAS,
-        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "messages": [{"role": "user", "content": f"Tell me a long story ({uuid.uuid4().hex})."}],
         "stream": True,
         "max_tokens": LONG_TOKENS,
         "ignore_eos": True,

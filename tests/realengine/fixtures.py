@@ -140,6 +140,10 @@ def engine_gateway(engine: LaunchedEngine) -> Iterator[Gateway]:
             "socket": engine.socket,
             "ready_file": engine.ready_file,
             "max_model_len": MAX_MODEL_LEN,
+            # The production default (probe timeout 2 s): real vLLM's /health takes up to about
+            # 0.8 s while it streams flat out on 2 busy cores, and a probe timeout marks the
+            # engine down (503s, quarantine deaths) although it is working.
+            "health_interval_s": 2.0,
         }
     }
     gw = start_gateway(workdir, None, config)
