@@ -22,10 +22,10 @@ from tests.launcher import FAST, MARGIN_S, Launcher, Launchers, alive, read_json
 VLLM_METRICS = REPO / "tests" / "fixtures" / "vllm-metrics"
 STALL_S = 2.0
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
-# A request that holds the engine's only slot with every counter frozen while /health stays 200:
-# the role chunk goes out (the client has seen bytes, so the gateway never retries it), then one
-# token every 100 s.
-STALL = {"tokens_per_second": 0.01}
+# The simulator's stall fault: three tokens stream, then the request stays running with every
+# counter frozen while /health answers 200 (the client has seen bytes, so the gateway never
+# retries it).
+STALL = {"stall_after": 3}
 
 
 @pytest.fixture
