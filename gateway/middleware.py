@@ -28,6 +28,7 @@ from gateway.state import (
     DIALECTS,
     DRAIN,
     FINISH_HOOKS,
+    LIMITER,
     LIVE,
     METRICS,
     Caller,
@@ -165,6 +166,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         events.exception("unhandled_error")
         error = GatewayError("Internal server error.")
         context.reason = "internal"
+    if context.caller is not None:
+        await _add_limit_headers(request, context.caller, error)
     error = context.dialect.adapt_error(error)
     response = web.Response(
         status=error.status,
@@ -175,6 +178,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     if request.headers.get("Expect") and not request.content.is_eof():
         response.force_close()  # the body was never asked for: do not wait for it
     return response
+
+
+async def _add_limit_headers(request: web.Request, caller: Caller, error: GatewayError) -> None:
+    """Give an authenticated caller's error the tenant's ``x-ratelimit-*`` headers as of now
+    (taking nothing), unless a reservation or refusal already set them: every authenticated
+    answer carries them, a 400 for a bad field or a 404 for an unknown model included (the
+    dialect renames them, e.g. Anthropic's ``anthropic-ratelimit-*``). A limiter that fails
+    here (Redis down) leaves the error as it was: the error matters more than its headers."""
+    if any(name.lower().startswith("x-ratelimit-") for name in error.headers):
+        return
+    try:
+        headers = await request.app[LIMITER].headers(caller.tenant)
+    except Exception:
+        events.warning("limit_headers_failed", exc_info=True)
+        return
+    for name, value in headers.items():
+        error.headers.setdefault(name, value)
 
 
 def _translate_http(exc: web.HTTPException) -> GatewayError:
