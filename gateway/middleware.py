@@ -89,7 +89,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         response.headers["x-request-id"] = request_id
         return response
     except asyncio.CancelledError:
-        context.status = 499
+        context.status = context.status or 499  # a status already sent stands
         context.reason = context.reason or "client_disconnect"
         raise
     finally:

@@ -56,6 +56,8 @@ from gateway.state import (
 log = structlog.get_logger("gateway.proxy")
 
 _QUEUED_COMMENT = b": queued\n\n"
+PROMPT_COUNT_TIMEOUT_S = 2.0
+"""Longest wait for the engine's prompt count of a request cut before its usage arrived."""
 _QUEUED_COMMENT_EVERY_S = 5.0
 
 
@@ -159,7 +161,19 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
         raise
     finally:
         metrics.in_flight.labels(label).dec()
-        await settle(request, call)
+        await settle_fully(request, call)
+
+
+async def settle_fully(request: web.Request, call: ModelCall) -> None:
+    """`settle` run to its end even if the handler is cancelled meanwhile (the client closing
+    its connection after the last byte): limits, quotas and the usage record must not depend
+    on when the client hangs up. The cancellation is passed on once settling is done."""
+    task = asyncio.ensure_future(settle(request, call))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
 
 
 async def settle(request: web.Request, call: ModelCall) -> None:
@@ -167,6 +181,11 @@ async def settle(request: web.Request, call: ModelCall) -> None:
     and quotas."""
     assert call.plan is not None and call.reservation is not None
     usage = call.usage
+    if usage.reached_engine and usage.prompt_tokens is None:
+        # Cut before the engine's usage: its own count of the prompt, else the estimate.
+        usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
+            call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
+        )
     prompt, completion = usage.settle(call.plan.prompt_estimate)
     if usage.reached_engine:
         metrics = request.app[METRICS]
@@ -352,6 +371,12 @@ async def _call_engine(
                 stream=call.plan.stream,
             )
             break
+        except asyncio.CancelledError:
+            # The client left while the engine worked on the request (a non-streamed answer
+            # sends its headers last): the engine has read the prompt, so it is charged.
+            call.usage.reached_engine = True
+            client_gone(request, call)
+            raise
         except EngineUnavailable as exc:
             sent = isinstance(exc, EngineUnreachable) and exc.sent
             if token is not None:

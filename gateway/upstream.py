@@ -188,6 +188,47 @@ class Upstream:
             raise self.failed(error, exc) from exc
         return UpstreamAnswer(self, response)
 
+    async def count_prompt(self, body: bytes, timeout: float) -> int | None:
+        """The engine's own prompt token count of an engine request body, or None.
+
+        Asks ``POST /tokenize`` (vLLM's tokenizer endpoint: chat ``messages`` through the chat
+        template with the generation prompt, or a completions ``prompt`` string) for the exact
+        count of a request whose answer ended before the engine reported its usage. None when
+        the body is not one prompt (a list of prompts) or the engine does not answer in time.
+        """
+        try:
+            sent = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(sent, dict):
+            return None
+        ask: dict[str, Any] = {"model": sent.get("model")}
+        if isinstance(sent.get("messages"), list):
+            ask["messages"] = sent["messages"]
+            ask["add_generation_prompt"] = True
+            for name in ("tools", "chat_template_kwargs"):
+                if sent.get(name) is not None:
+                    ask[name] = sent[name]
+        elif isinstance(sent.get("prompt"), str):
+            ask["prompt"] = sent["prompt"]
+        else:
+            return None
+        try:
+            async with self.session.post(
+                "http://engine/tokenize",
+                json=ask,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return None
+        count = answer.get("count") if isinstance(answer, dict) else None
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            return count
+        return None
+
     async def health(self, timeout: float) -> tuple[EngineStatus, str | None]:
         """Probe ``GET /health``: ``ready`` on 200, ``down`` otherwise, with a short reason."""
         try:

@@ -267,8 +267,14 @@ def _freeze_generation(engine: LaunchedEngine) -> None:
 ACCOUNTING_PENDING = pytest.mark.xfail(
     strict=True,
     reason="a stream cut without usage is charged one completion token per streamed event (real "
-    "vLLM merges several tokens into one event) and the prompt estimate, not the engine's counts",
+    "vLLM merges several tokens into one event), not the engine's count",
 )
+
+
+def _accounting_pending_on_real(request: pytest.FixtureRequest, engine: LaunchedEngine) -> None:
+    """The simulator sends one token an event (exact cut-off counts); real vLLM may not."""
+    if engine.kind == "real":
+        request.node.add_marker(ACCOUNTING_PENDING)
 
 
 def _assert_charged_like_the_engine(
@@ -292,11 +298,11 @@ def _counters(gw: Gateway, engine: LaunchedEngine) -> tuple[float, float, float,
     )
 
 
-@ACCOUNTING_PENDING
 def test_client_gone_stream_is_charged_what_the_engine_generated(
-    engine: LaunchedEngine, engine_gateway: Gateway
+    engine: LaunchedEngine, engine_gateway: Gateway, request: pytest.FixtureRequest
 ) -> None:
     """Client gone mid-stream: tokens charged = the engine's generation counter delta (±1)."""
+    _accounting_pending_on_real(request, engine)
     assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
     before = _counters(engine_gateway, engine)
     with sse(engine_gateway, long_stream_body(engine)) as events:
@@ -312,11 +318,11 @@ def test_client_gone_stream_is_charged_what_the_engine_generated(
     _assert_charged_like_the_engine(engine_gateway, before, after)
 
 
-@ACCOUNTING_PENDING
 def test_engine_dropped_stream_is_charged_what_the_engine_generated(
-    engine: LaunchedEngine, engine_gateway: Gateway, crash: Crash
+    engine: LaunchedEngine, engine_gateway: Gateway, crash: Crash, request: pytest.FixtureRequest
 ) -> None:
     """Engine gone mid-stream: tokens charged = the engine's generation counter delta (±1)."""
+    _accounting_pending_on_real(request, engine)
     if engine.kind == "real":
         assert crash.engine_after is not None
         _assert_charged_like_the_engine(engine_gateway, crash.before, crash.engine_after)
