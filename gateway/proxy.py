@@ -18,11 +18,14 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from gateway.accounting import Accounting
+from gateway.admission import Ticket
 from gateway.body import parse_body, read_body
 from gateway.dialects import Dialect, PlanInput
 from gateway.drain import Drain
@@ -154,21 +157,21 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
                 return await admit_and_call(request, call)
         finally:
             # The tenant's fair share is charged what the engine used, not the reservation.
-            ticket.release(sum(call.usage.settle(plan.prompt_estimate)))
+            await run_to_end(release_ticket(request, call, ticket))
     except GatewayError as exc:
         for name, value in reservation.headers.items():
             exc.headers.setdefault(name, value)
         raise
     finally:
         metrics.in_flight.labels(label).dec()
-        await settle_fully(request, call)
+        await run_to_end(settle(request, call))
 
 
-async def settle_fully(request: web.Request, call: ModelCall) -> None:
-    """`settle` run to its end even if the handler is cancelled meanwhile (the client closing
-    its connection after the last byte): limits, quotas and the usage record must not depend
-    on when the client hangs up. The cancellation is passed on once settling is done."""
-    task = asyncio.ensure_future(settle(request, call))
+async def run_to_end(work: Coroutine[Any, Any, None]) -> None:
+    """Await ``work`` to its end even if the handler is cancelled meanwhile (the client closing
+    its connection after the last byte): slots, limits, quotas and the usage record must not
+    depend on when the client hangs up. The cancellation is passed on once ``work`` is done."""
+    task = asyncio.ensure_future(work)
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -176,16 +179,26 @@ async def settle_fully(request: web.Request, call: ModelCall) -> None:
         raise
 
 
+async def release_ticket(request: web.Request, call: ModelCall, ticket: Ticket) -> None:
+    """Make the usage final and give the engine slot back, charging the fair share what was
+    used. A call cut before the engine's usage arrived asks the engine for its own count of
+    the prompt first (`Upstream.count_prompt`); the estimate stands when it cannot answer."""
+    assert call.plan is not None
+    usage = call.usage
+    try:
+        if usage.reached_engine and usage.prompt_tokens is None and not usage.settled:
+            usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
+                call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
+            )
+    finally:
+        ticket.release(sum(usage.settle(call.plan.prompt_estimate)))
+
+
 async def settle(request: web.Request, call: ModelCall) -> None:
     """Make the usage final, count the tokens of a call that reached the engine, settle limits
     and quotas."""
     assert call.plan is not None and call.reservation is not None
     usage = call.usage
-    if usage.reached_engine and usage.prompt_tokens is None:
-        # Cut before the engine's usage: its own count of the prompt, else the estimate.
-        usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
-            call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
-        )
     prompt, completion = usage.settle(call.plan.prompt_estimate)
     if usage.reached_engine:
         metrics = request.app[METRICS]
