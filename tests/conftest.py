@@ -92,8 +92,10 @@ class Sim:
         return [json.loads(line) for line in lines if line.strip()]
 
     def model_records(self) -> list[dict[str, Any]]:
-        """Recorded requests other than health probes and metrics scrapes."""
-        return [r for r in self.records() if r.get("path") not in ("/health", "/metrics")]
+        """Recorded requests other than health probes, metrics scrapes and prompt counts."""
+        return [
+            r for r in self.records() if r.get("path") not in ("/health", "/metrics", "/tokenize")
+        ]
 
     def stop(self) -> None:
         _stop(self.proc)

@@ -57,11 +57,11 @@ class SimServer:
     record: Path
 
     def model_records(self) -> list[dict[str, Any]]:
-        """Model requests the simulator received (its ``--record`` lines, probes excluded)."""
+        """Model requests the simulator received (``--record`` lines; probes, counts excluded)."""
         if not self.record.exists():
             return []
         lines = [json.loads(line) for line in self.record.read_text().splitlines() if line]
-        return [r for r in lines if r.get("path") not in ("/health", "/metrics")]
+        return [r for r in lines if r.get("path") not in ("/health", "/metrics", "/tokenize")]
 
     async def stop(self) -> None:
         """Stop serving; the socket path is removed (the engine is gone)."""
