@@ -238,7 +238,7 @@ def test_daily_quota_refuses_until_the_next_utc_day_on_every_replica(
     """Over its day: 429 insufficient_quota on both replicas with an honest Retry-After, until
     midnight UTC; another tenant passes throughout."""
     sim = sim_factory()
-    env, shift = shifted_env(midnight_in_s=30.0)
+    env, shift = shifted_env(midnight_in_s=40.0)
     config = {
         "ratelimit": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": "quota"},
         "tenants": {"acme": {"tokens_per_day": 300}},
@@ -254,6 +254,9 @@ def test_daily_quota_refuses_until_the_next_utc_day_on_every_replica(
         assert r.status_code == 200
         passed += 1
     assert 3 <= passed < 20
+    assert time.time() + shift < (math.floor((time.time() + shift) / 86_400) + 1) * 86_400 - 5, (
+        "the machine was too slow: the shifted midnight came before the quota was used up"
+    )
     for gw in (one, two):
         r = post(gw, body)
         now = time.time() + shift
