@@ -43,7 +43,7 @@ from tests.perf.targets import verdicts
 FAST = Profile("fast", "0 ms per token, 256 tokens an answer", 0.0, 256, (1, 32, 256))
 PACED = Profile("paced", "25 ms per token (40 tokens/s), 64 tokens", 40.0, 64, (1, 32, 64, 256))
 SECTIONS = ("fast", "paced", "limits", "slow", "busy")
-EXTRA_SECTIONS = ("profile",)
+EXTRA_SECTIONS = ("profile", "ledger")
 SLOW_STREAMS, SLOW_TOKENS = 2000, 25
 QUICK_SLOW_STREAMS, QUICK_SLOW_TOKENS = 500, 8
 # busy: measured window of each backlog run (s) and short probes behind the long backlog.
@@ -144,11 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     busy: BusyResults | None = None
     try:
         for profile in (FAST, PACED):
-            wanted = profile.name in only or (profile is FAST and "limits" in only)
+            extras = [
+                variant
+                for section, variant in (
+                    ("limits", "gateway-limits-off"),
+                    ("ledger", "gateway-ledger-off"),
+                )
+                if profile is FAST and section in only
+            ]
+            wanted = profile.name in only or bool(extras)
             if not wanted:
                 continue
             full = profile.name in only
-            variants = ("gateway-limits-off",) if profile is FAST and "limits" in only else ()
+            variants = tuple(extras)
             _progress(f"starting {profile.name}: {profile.description}")
             with run_stack(
                 workdir / profile.name,
@@ -213,7 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-_TARGET_ORDER = {"direct": 0, "nginx": 1, "gateway": 2, "gateway-limits-off": 3}
+_TARGET_ORDER = {
+    "direct": 0,
+    "nginx": 1,
+    "gateway": 2,
+    "gateway-limits-off": 3,
+    "gateway-ledger-off": 4,
+}
 
 
 def _order(row: Row) -> tuple[int, int, int]:

@@ -6,7 +6,8 @@ Targets, all reaching the same simulator socket:
 - ``nginx``: nginx 1.x, one worker, ``proxy_buffering off`` (`tests.perf.nginx`);
 - ``gateway``: ``qwen38-gateway serve`` with auth, memory rate limits, rewrites and metrics on;
 - ``gateway-limits-off``: the same with the rate limiter admitting everything (`tests.perf.nolimits`);
-- ``gateway-gc-tuned``: the same under other garbage-collector thresholds (`tests.perf.gcpolicy`).
+- ``gateway-gc-tuned``: the same under other garbage-collector thresholds (`tests.perf.gcpolicy`);
+- ``gateway-ledger-off``: the same with the usage ledger off (``[ledger] enabled = false``).
 
 The gateway config is production's except where the benchmark would measure something else:
 ``engine.max_concurrency`` 4096 (production: 1, one V100) so the admission queue does not
@@ -53,6 +54,7 @@ BENCH_CONFIG: dict[str, Any] = {
         "health_interval_s": 2.0,
     },
     "auth": {"reload_poll_s": 1.0},
+    "ledger": {"flush_interval_s": 0.5},
     "logging": {"level": "info"},
     "tenants": {"default": {"rpm": 10**9, "tpm": 10**12, "concurrency": 100_000}},
 }
@@ -119,6 +121,11 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 VARIANTS: dict[str, list[str]] = {
     "gateway-limits-off": ["-m", "tests.perf.nolimits"],
     "gateway-gc-tuned": ["-m", "tests.perf.gcpolicy", "tuned", "gateway", "serve"],
+    "gateway-ledger-off": ["-m", "gateway", "serve"],
+}
+# Config sections a variant changes in its copy of the gateway's config.
+VARIANT_CONFIG: dict[str, dict[str, dict[str, Any]]] = {
+    "gateway-ledger-off": {"ledger": {"enabled": False}},
 }
 
 
@@ -130,6 +137,8 @@ def _variant_gateway(
     port = free_port()
     config["server"]["port"] = port
     config["metrics"]["port"] = free_port()
+    for section, values in VARIANT_CONFIG.get(name, {}).items():
+        config.setdefault(section, {}).update(values)
     path = workdir / f"{name}.toml"
     path.write_text(to_toml(config))
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process

@@ -13,6 +13,8 @@ TTFT_P99_FACTOR = 2.0
 CPU_FACTOR = 3.0
 SLOW_RSS_MIB = 300.0
 SLOW_STALL_MS = 50.0
+LEDGER_OVERHEAD = 1.05
+"""The usage ledger's CPU cost on the relay: under 5% of the gateway's CPU."""
 LIMITS_OVERHEAD = 1.20
 
 
@@ -135,6 +137,23 @@ def verdicts(rows: list[Row], slow: list[SlowResult]) -> list[Verdict]:
                 "all on <= 1.2x limits off (CPU)",
                 worst <= LIMITS_OVERHEAD,
                 f"worst {worst:.2f}x ({row.profile} c={row.concurrency}: {row.cpu_per_1k:.1f} "
+                f"vs {base.cpu_per_1k:.1f} ms per 1k chunks)",
+            )
+        )
+    ledger = [
+        (row.cpu_per_1k / base.cpu_per_1k, row, base)
+        for row in rows
+        if row.target == "gateway"
+        for base in [_get(rows, row.profile, "gateway-ledger-off", row.concurrency)]
+        if base is not None and base.cpu_per_1k > 0
+    ]
+    if ledger:
+        worst, row, base = max(ledger, key=lambda item: item[0])
+        out.append(
+            Verdict(
+                "ledger on < 1.05x ledger off (CPU)",
+                worst < LEDGER_OVERHEAD,
+                f"worst {worst:.3f}x ({row.profile} c={row.concurrency}: {row.cpu_per_1k:.1f} "
                 f"vs {base.cpu_per_1k:.1f} ms per 1k chunks)",
             )
         )
