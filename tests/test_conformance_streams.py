@@ -277,15 +277,23 @@ def _accounting_pending_on_real(request: pytest.FixtureRequest, engine: Launched
         request.node.add_marker(ACCOUNTING_PENDING)
 
 
+# A client that leaves mid-stream: the engine keeps generating while its abort travels (the
+# gateway notices at its next write, then closes the engine connection), so it may count a few
+# tokens the gateway never received. Under load on 2 shared cores that was up to 2.
+ABORT_SLACK_TOKENS = 3
+
+
 def _assert_charged_like_the_engine(
-    gw: Gateway, before: tuple[float, ...], after_engine: tuple[float, ...]
+    gw: Gateway, before: tuple[float, ...], after_engine: tuple[float, ...], slack: float = 1
 ) -> None:
     assert wait_until(lambda: settled(gw), 10)
     prompt = charged(gw, "prompt") - before[2]
     completion = charged(gw, "completion") - before[3]
     generated = after_engine[1] - before[1]
     prompted = after_engine[0] - before[0]
-    assert abs(completion - generated) <= 1, f"charged {completion}, engine generated {generated}"
+    assert 0 <= generated - completion <= slack or abs(completion - generated) <= 1, (
+        f"charged {completion}, engine generated {generated}"
+    )
     assert abs(prompt - prompted) <= 1, f"charged {prompt} prompt tokens, engine saw {prompted}"
 
 
@@ -315,7 +323,7 @@ def test_client_gone_stream_is_charged_what_the_engine_generated(
         engine_metric(engine, "vllm:generation_tokens_total"),
     )
     assert after[1] - before[1] >= 40
-    _assert_charged_like_the_engine(engine_gateway, before, after)
+    _assert_charged_like_the_engine(engine_gateway, before, after, slack=ABORT_SLACK_TOKENS)
 
 
 def test_engine_dropped_stream_is_charged_what_the_engine_generated(

@@ -90,8 +90,14 @@ def settled(gw: Gateway) -> bool:
     return int(httpx.get(gw.url("/ready"), timeout=5).json()["in_flight"]) == 0
 
 
+ABORT_SLACK_TOKENS = 3
+"""A client-cut stream: tokens the engine may generate while its abort travels, never received
+by the gateway (it notices the client is gone at its next write, then closes the engine
+connection); the engine's counter is then ahead of the charge by at most this."""
+
+
 def _cut_stream_by_client(gw: Gateway, content: str) -> None:
-    body = chat(content, {"tokens_per_second": 100, "completion_tokens": 2000}, max_tokens=2000)
+    body = chat(content, {"tokens_per_second": 20, "completion_tokens": 2000}, max_tokens=2000)
     with httpx.stream(
         "POST", gw.url("/v1/chat/completions"), json={**body, "stream": True},
         headers=AUTH_A, timeout=30,
@@ -106,7 +112,9 @@ def _cut_stream_by_client(gw: Gateway, content: str) -> None:
 def test_report_and_v1_usage_equal_the_engine_counters_after_mixed_requests(
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:
-    """Stream, non-stream, cut by client, engine drop, refused: ledger = engine = /v1/usage."""
+    """Stream, non-stream, cut by client, engine drop, refused: ledger = report = /v1/usage =
+    the engine's counters (prompt exactly; completion short by at most the tokens generated
+    while a cut stream's abort travelled)."""
     sim = sim_factory()
     gw = gateway_factory(sim, {"tenants": {"acme": {"tokens_per_day": 10**9}, "beta": {"rpm": 2}}})
     before = engine_counters(sim)
@@ -145,14 +153,15 @@ def test_report_and_v1_usage_equal_the_engine_counters_after_mixed_requests(
     rows = ledger_rows(path)
     summary = [(r["status"], r["prompt_tokens"], r["completion_tokens"]) for r in rows]
     assert sum(r["prompt_tokens"] for r in rows) == prompt, summary
-    assert sum(r["completion_tokens"] for r in rows) == generated
+    charged = sum(r["completion_tokens"] for r in rows)
+    assert 0 <= generated - charged <= ABORT_SLACK_TOKENS, (charged, generated)
     by_status = sorted(r["status"] for r in rows)
     assert by_status == [200, 200, 200, 200, 400, 404, 429, 499, 502]
     refused_rows = [r for r in rows if r["status"] in (400, 404, 429)]
     assert all(r["prompt_tokens"] == r["completion_tokens"] == 0 for r in refused_rows)
 
     total = report("--ledger", str(path), "--by", "tenant")["total"]
-    assert (total["prompt_tokens"], total["completion_tokens"]) == (prompt, generated)
+    assert (total["prompt_tokens"], total["completion_tokens"]) == (prompt, charged)
     assert total["requests"] == 9
     per_tenant = {}
     for key in (AUTH_A, AUTH_B):
@@ -162,7 +171,7 @@ def test_report_and_v1_usage_equal_the_engine_counters_after_mixed_requests(
             dt.datetime.now(dt.timezone.utc).date().isoformat()
         ]
         per_tenant[doc["tenant"]] = doc["total"]["total_tokens"]
-    assert per_tenant["acme"] + per_tenant["beta"] == prompt + generated
+    assert per_tenant["acme"] + per_tenant["beta"] == prompt + charged
     acme = httpx.get(gw.url("/v1/usage"), headers=AUTH_A, timeout=10).json()
     assert acme["quota"]["tokens_per_day"]["used"] == per_tenant["acme"]
     assert acme["quota"]["tokens_per_month"] is None
