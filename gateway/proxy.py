@@ -157,7 +157,7 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
                 return await admit_and_call(request, call)
         finally:
             # The tenant's fair share is charged what the engine used, not the reservation.
-            await run_to_end(release_ticket(request, call, ticket))
+            release_ticket(call, ticket)
     except GatewayError as exc:
         for name, value in reservation.headers.items():
             exc.headers.setdefault(name, value)
@@ -179,26 +179,44 @@ async def run_to_end(work: Coroutine[Any, Any, None]) -> None:
         raise
 
 
-async def release_ticket(request: web.Request, call: ModelCall, ticket: Ticket) -> None:
-    """Make the usage final and give the engine slot back, charging the fair share what was
-    used. A call cut before the engine's usage arrived asks the engine for its own count of
-    the prompt first (`Upstream.count_prompt`); the estimate stands when it cannot answer."""
+def release_ticket(call: ModelCall, ticket: Ticket) -> None:
+    """Give the engine slot back at once, charging the tenant's fair share what was used.
+
+    A call cut before the engine's usage arrived is charged its prompt estimate here; its
+    usage is made final (with the engine's own prompt count) by `settle`, after the slot is
+    free for the next request.
+    """
     assert call.plan is not None
     usage = call.usage
-    try:
-        if usage.reached_engine and usage.prompt_tokens is None and not usage.settled:
-            usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
-                call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
-            )
-    finally:
+    if cut_without_usage(call):
+        completion = usage.completion_tokens
+        ticket.release(
+            call.plan.prompt_estimate
+            + (usage.streamed_events if completion is None else completion)
+        )
+    else:
         ticket.release(sum(usage.settle(call.plan.prompt_estimate)))
+
+
+def cut_without_usage(call: ModelCall) -> bool:
+    """True for a call that reached the engine and ended before the engine reported usage."""
+    usage = call.usage
+    return usage.reached_engine and usage.prompt_tokens is None and not usage.settled
 
 
 async def settle(request: web.Request, call: ModelCall) -> None:
     """Make the usage final, count the tokens of a call that reached the engine, settle limits
-    and quotas."""
+    and quotas.
+
+    A call cut before the engine's usage arrived asks the engine for its own count of the
+    prompt (`Upstream.count_prompt`, while the engine is up); the estimate stands otherwise.
+    """
     assert call.plan is not None and call.reservation is not None
     usage = call.usage
+    if cut_without_usage(call) and request.app[ENGINE_STATE].ready:
+        usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
+            call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
+        )
     prompt, completion = usage.settle(call.plan.prompt_estimate)
     if usage.reached_engine:
         metrics = request.app[METRICS]
