@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -115,7 +115,7 @@ def engine_reason(answer: Answer) -> str:
     return "stop" if answer.finish_reason == "tool_calls" else answer.finish_reason
 
 
-Emit = Callable[[int, int], None]
+Emit = Callable[[int, int], Awaitable[None]]
 
 
 class Run:
@@ -142,7 +142,6 @@ class Run:
         arrival: float,
         emit: Emit | None = None,
         started: Callable[[], None] | None = None,
-        yield_each: bool = False,
     ) -> None:
         self._scheduler = request.app[SCHEDULER]
         self._behaviour = behaviour
@@ -151,7 +150,6 @@ class Run:
         self._arrival = arrival
         self._emit = emit
         self._started = started
-        self._yield_each = yield_each
         self._limit, self.fault = fault_at(behaviour)
         self._left = len(answers)
         self.produced = 0
@@ -195,9 +193,9 @@ class Run:
                 slot.token()
                 self.produced += 1
                 if self._emit is not None:
-                    self._emit(index, step)
-                    if self._yield_each and not pacer.paced:
-                        await asyncio.sleep(0)
+                    await self._emit(index, step)
+                if len(self._answers) > 1 and not pacer.paced:
+                    await asyncio.sleep(0)  # sequences side by side take turns, token by token
             self._left -= 1
             if self.fault is not None and not self._left:  # shorter than the fault's count
                 await self._fault(slot)
@@ -234,12 +232,15 @@ class Collector:
         self._head.append(payload)
         self._ready.set()
 
-    def put(self, index: int, step: int) -> None:
-        """Queue token `step` of choice `index`; wake the writer when an event is due."""
+    def put(self, index: int, step: int) -> bool:
+        """Queue token `step` of choice `index`; wake the writer and return True when an event
+        is due."""
         steps = self._pending.setdefault(index, [])
         steps.append(step)
         if len(steps) >= self._per_event or step == len(self._answers[index].tokens) - 1:
             self._ready.set()
+            return True
+        return False
 
     def close(self) -> None:
         """No more tokens: the writer sends what is left and returns."""
@@ -253,14 +254,19 @@ class Collector:
             if not self._closed:
                 await self._ready.wait()
             self._ready.clear()
-            head, self._head = self._head, []
-            groups = [(i, steps) for i, steps in self._pending.items() if self._due(i, steps)]
-            for index, _ in groups:
-                del self._pending[index]
-            if head or groups:
-                return head, groups
+            item = self.take_now()
+            if item is not None:
+                return item
             if self._closed:
                 return None
+
+    def take_now(self) -> tuple[list[bytes], list[tuple[int, list[int]]]] | None:
+        """The queued chunks and the due (choice, steps) groups at once, or None if none."""
+        head, self._head = self._head, []
+        groups = [(i, steps) for i, steps in self._pending.items() if self._due(i, steps)]
+        for index, _ in groups:
+            del self._pending[index]
+        return (head, groups) if head or groups else None
 
     def _due(self, index: int, steps: list[int]) -> bool:
         return (
@@ -296,23 +302,47 @@ async def stream_answer(
             for index in range(len(answers)):
                 collector.put_head(encoder.role(index))
 
+    busy = False  # the writer task is writing (and maybe waiting for the socket to drain)
+
+    async def write(item: tuple[list[bytes], list[tuple[int, list[int]]]]) -> None:
+        head, groups = item
+        for payload in head:
+            await writer.send(payload)
+        for index, steps in groups:
+            answer = answers[index]
+            tokens = [answer.tokens[step] for step in steps]
+            done[index] += len(steps)
+            if chat:
+                chunk = encoder.event(index, tokens, answer, done[index])
+            else:
+                chunk = encoder.text(index, tokens, answer, done[index])
+            if chunk is not None:
+                await writer.send(chunk)
+            trace.tokens_sent += len(steps)
+
     async def write_events() -> None:
+        nonlocal busy
         while (item := await collector.take()) is not None:
-            head, groups = item
-            for payload in head:
-                await writer.send(payload)
-            for index, steps in groups:
-                answer = answers[index]
-                tokens = [answer.tokens[step] for step in steps]
-                done[index] += len(steps)
-                if chat:
-                    chunk = encoder.event(index, tokens, answer, done[index])
-                else:
-                    chunk = encoder.text(index, tokens, answer, done[index])
-                if chunk is not None:
-                    await writer.send(chunk)
-                trace.tokens_sent += len(steps)
+            busy = True
+            try:
+                await write(item)
+            finally:
+                busy = False
         await writer.flush()
+
+    async def emit(index: int, step: int) -> None:
+        # While the socket keeps up (less than half its high-water mark waits in its buffer)
+        # the event is written at once from the generator's task, a write that does not wait.
+        # Otherwise the writer task sends it, merged with whatever is generated meanwhile.
+        if collector.put(index, step) and not busy:
+            transport = request.transport
+            if (
+                transport is not None
+                and transport.get_write_buffer_size() * 2 <= transport.get_write_buffer_limits()[1]
+            ):
+                item = collector.take_now()
+                if item is not None:
+                    await write(item)
 
     run = Run(
         request,
@@ -320,9 +350,8 @@ async def stream_answer(
         answers,
         prompt_tokens=prompt_tokens,
         arrival=arrival,
-        emit=collector.put,
+        emit=emit,
         started=started,
-        yield_each=True,
     )
     sender = asyncio.ensure_future(write_events())
     generation: asyncio.Future[str | None] | None = None
@@ -382,7 +411,7 @@ async def complete_answer(
     trace = TRACE.get()
     await asyncio.sleep(behaviour.silence_s)
 
-    def produced(index: int, step: int) -> None:
+    async def produced(index: int, step: int) -> None:
         trace.tokens_sent += 1
 
     run = Run(
