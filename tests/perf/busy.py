@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import os
 import random
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -205,9 +206,14 @@ def _model_records(sim: Sim) -> list[dict[str, Any]]:
     return [r for r in sim.records() if r.get("path") == CHAT_PATH and "received_at" in r]
 
 
+_ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{12}$")
+
+
 def _record_id(record: dict[str, Any]) -> str:
+    """The client's request id of a recorded engine request: the gateway sends it to the engine
+    with a suffix of its own (``-`` and 12 hex digits), the direct client as is."""
     headers = {k.lower(): v for k, v in record["headers"].items()}
-    return str(headers.get("x-request-id", ""))
+    return _ENGINE_SUFFIX.sub("", str(headers.get("x-request-id", "")))
 
 
 async def _settle(sim: Sim, ids: set[str], timeout: float = 5.0) -> list[dict[str, Any]]:
