@@ -131,7 +131,7 @@ def create_app(
     app[FINISH_HOOKS] = []
 
     def on_reload(new_settings: Settings, new_keys: KeySet) -> None:
-        app[LIVE].current = build_live(new_settings, new_keys)
+        app[LIVE].current = build_live(new_settings, new_keys, previous=app[LIVE].current)
         # The state file stays the one the gateway started with (a restart changes it).
         kept = dataclasses.replace(
             new_settings.quarantine, state_file=quarantine.settings.state_file

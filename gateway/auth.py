@@ -22,6 +22,9 @@ from gateway.errors import InvalidApiKey
 # characters outside SUBJECT_CHARS replaced by "_" (never a metric label).
 MAX_SUBJECT_CHARS = 128
 _SUBJECT_RE = re.compile(r"[^A-Za-z0-9._@:+-]")
+# Recently removed API keys (their SHA-256 digests, never the secrets) remembered so that a
+# revoked key is counted as ``revoked`` rather than ``unknown``; the oldest are forgotten first.
+MAX_REVOKED = 4096
 # Longer credentials are refused before hashing or base64-decoding anything: a generated key is
 # 39 characters and a gateway JWT a few hundred.
 MAX_CREDENTIAL_CHARS = 8192
@@ -47,6 +50,17 @@ class Principal:
     subject: str | None = None
 
 
+def revoked_digests(previous: Authenticator | None, keys: KeySet) -> tuple[bytes, ...]:
+    """The digests of API keys revoked so far: ``previous``'s list plus its keys that ``keys``
+    no longer has, minus keys ``keys`` has again; oldest first, at most `MAX_REVOKED`."""
+    if previous is None:
+        return ()
+    current = {key.digest for key in keys.api_keys}
+    removed = [key.digest for key in previous.keys.api_keys if key.digest not in current]
+    kept = [d for d in previous.revoked if d not in current and d not in set(removed)]
+    return tuple((kept + removed)[-MAX_REVOKED:])
+
+
 def bounded_subject(value: str) -> str:
     """A JWT subject safe to log: at most `MAX_SUBJECT_CHARS`, plain characters only.
 
@@ -67,6 +81,8 @@ class Authenticator:
         leeway_s: clock skew allowed on ``exp``, ``nbf`` and ``iat`` (``auth.jwt_leeway_s``).
         max_ttl_s: longest accepted ``exp - iat`` (``auth.jwt_max_ttl_s``).
         clock: seconds since the epoch; injected by tests.
+        revoked: SHA-256 digests of keys removed from the file (`revoked_digests`); such a key
+            is refused with reason ``revoked`` instead of ``unknown``.
     """
 
     def __init__(
@@ -76,8 +92,11 @@ class Authenticator:
         leeway_s: float = 30.0,
         max_ttl_s: float = 86_400.0,
         clock: Callable[[], float] = time.time,
+        revoked: tuple[bytes, ...] = (),
     ) -> None:
         self.keys = keys
+        self.revoked = revoked
+        self._revoked = frozenset(revoked)
         self._by_digest: dict[bytes, ApiKey] = {key.digest: key for key in keys.api_keys}
         self._by_kid: dict[str, SigningKey] = {key.kid: key for key in keys.signing_keys}
         self._expiry: dict[bytes, float] = {
@@ -100,7 +119,7 @@ class Authenticator:
 
         Raises:
             InvalidApiKey: with ``reason`` one of ``missing``, ``malformed``, ``unknown``,
-                ``expired``, ``bad_signature``, ``bad_claims``, ``unknown_kid``, ``bad_algorithm``
+                ``revoked``, ``expired``, ``bad_signature``, ``bad_claims``, ``unknown_kid``, ``bad_algorithm``
                 (`gateway.metrics.AUTH_FAILURE_REASONS`).
         """
         if authorization is None or not authorization.strip():
@@ -121,7 +140,7 @@ class Authenticator:
         digest = secret_digest(secret)
         found = self._by_digest.get(digest)
         if found is None or not hmac.compare_digest(found.digest, digest):
-            raise InvalidApiKey("unknown")
+            raise InvalidApiKey("revoked" if digest in self._revoked else "unknown")
         expires = self._expiry.get(digest)
         if expires is not None and self._clock() >= expires:
             raise InvalidApiKey("expired")

@@ -134,7 +134,9 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
             fields["completion_tokens"] = call.usage.completion_tokens
     if context.reason:
         fields["reason"] = context.reason
-    if status >= 500:
+    if context.error_status:
+        fields["error_status"] = context.error_status
+    if status >= 500 or context.error_status >= 500:
         log.warning("request", **fields)
     else:
         log.info("request", **fields)

@@ -97,11 +97,19 @@ class ClientStream:
         return response
 
     async def end_with_error(self, error: GatewayError) -> web.StreamResponse:
-        """After the headers went out an error is one final error event, then the end."""
+        """After the headers went out an error is one final error event, then the end.
+
+        The access line and ``gateway_requests_total`` keep the status sent (200); the error's
+        own status goes to ``error_status`` and the reason names it: ``engine_<kind>`` for an
+        engine failure (``engine_disconnect``, ``engine_bad_response``, ...).
+        """
         context = self._call.context
-        context.status = error.status
-        context.reason = context.reason or error.reason
         response = self.response or await self.start()
+        context.status = response.status
+        context.error_status = error.status
+        if isinstance(error, UpstreamError) and error.reason == "upstream_error":
+            context.reason = context.reason or f"engine_{error.kind}"
+        context.reason = context.reason or error.reason
         render = getattr(self.relay, "error_event", None)  # a relay that knows what was sent
         event = render(error) if render is not None else self._call.dialect.error_event(error)
         try:

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue, Ticket
-from gateway.auth import Authenticator, Principal
+from gateway.auth import Authenticator, Principal, revoked_digests
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, Dialect
@@ -58,8 +58,14 @@ class LiveRef:
 _PROCESS_SALT = secrets.token_bytes(32)
 
 
-def build_live(settings: Settings, keys: KeySet, clock: Callable[[], float] = time.time) -> Live:
-    """Compile settings and keys into a `Live` (authenticator tables, cache-salt secret)."""
+def build_live(
+    settings: Settings,
+    keys: KeySet,
+    clock: Callable[[], float] = time.time,
+    previous: Live | None = None,
+) -> Live:
+    """Compile settings and keys into a `Live` (authenticator tables, cache-salt secret); the
+    keys ``previous`` had and ``keys`` lacks are remembered as revoked (`revoked_digests`)."""
     secret = keys.setting("QWEN38_CACHE_SALT_SECRET")
     salt = secret.encode() if secret else _PROCESS_SALT
     auth = Authenticator(
@@ -67,6 +73,7 @@ def build_live(settings: Settings, keys: KeySet, clock: Callable[[], float] = ti
         leeway_s=settings.auth.jwt_leeway_s,
         max_ttl_s=settings.auth.jwt_max_ttl_s,
         clock=clock,
+        revoked=revoked_digests(previous.auth if previous else None, keys),
     )
     return Live(settings=settings, keys=keys, auth=auth, salt_secret=salt)
 
@@ -147,6 +154,8 @@ class RequestContext:
         call: the model request, or None.
         status: the HTTP status sent (499: the client went away), 0 until known.
         reason: a bounded label explaining an error status, or None.
+        error_status: the status of an error that ended a stream after its 200 went out (the
+            error event's status, e.g. 502), else 0; ``status`` stays the 200 sent.
         duration_s: seconds from arrival to the end, set when the request is over.
     """
 
@@ -160,6 +169,7 @@ class RequestContext:
     call: ModelCall | None = None
     status: int = 0
     reason: str | None = None
+    error_status: int = 0
     duration_s: float | None = None
 
     @property

@@ -273,7 +273,9 @@ async def test_stream_cut_by_the_engine_ends_with_one_error_event(
     assert json.loads(data[-1])["error"]["code"] == "upstream_error"
     assert await until(lambda: bool(access(logs)))
     line = access(logs)[-1]
-    assert line["status"] == 502 and line["completion_tokens"] >= 3
+    assert line["status"] == 200 and line["completion_tokens"] >= 3
+    assert (line["reason"], line["error_status"]) == ("engine_disconnect", 502)
+    assert sample(stack, "gateway_requests_total", tenant="acme", route=CHAT, code="200") >= 1
     assert sample(stack, "gateway_upstream_errors_total", kind="disconnect") == 1
 
 

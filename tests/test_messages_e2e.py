@@ -427,7 +427,8 @@ def test_mid_stream_failure_is_an_error_event(sim_factory: Any, gateway_factory:
     assert "message_stop" not in [name for name, _ in events]
     assert wait_until(lambda: any(e.get("route") == "/v1/messages" for e in gw.access_logs()), 5)
     log = [e for e in gw.access_logs() if e.get("route") == "/v1/messages"][-1]
-    assert log["status"] == 502 and log["completion_tokens"] >= 1
+    assert log["status"] == 200 and log["completion_tokens"] >= 1
+    assert (log["reason"], log["error_status"]) == ("engine_disconnect", 502)
 
 
 def test_in_stream_engine_error_is_an_error_event(sim_factory: Any, gateway_factory: Any) -> None:

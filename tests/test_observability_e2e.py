@@ -456,7 +456,7 @@ def test_request_id_is_bound_on_every_line_about_a_request(obs: Gateway) -> None
     )
     assert r.status_code == 200
     line = access_line(obs, "obs-drop-1")
-    assert (line["status"], line["reason"]) == (502, "upstream_error")
+    assert (line["status"], line["reason"], line["error_status"]) == (200, "engine_disconnect", 502)
     assert line["level"] == "warning"
     about = [e for e in obs.logs() if e.get("request_id") == "obs-drop-1"]
     assert [e["event"] for e in about] == ["upstream_error", "request"]
