@@ -10,6 +10,7 @@ Messages are client-safe: they never contain a key, a token or a server path.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,22 @@ def quotable(text: Any) -> str:
     ):
         return text
     return "<redacted>"
+
+
+# What may be a credential inside a text the gateway did not write (an engine's error message
+# that quotes the request): a Bearer value, an ``sk-`` key, a JWT, or any quoted token of 16+
+# characters (the shortest credential the gateway accepts).
+_CREDENTIAL_RE = re.compile(
+    r"(?i:\bbearer\s+\S+)"
+    r"|sk-[A-Za-z0-9._~+/=-]+"
+    r"|eyJ[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]*){0,2}"
+    r"|(?<=['\"`])[^'\"`\s]{16,}(?=['\"`])"
+)
+
+
+def scrub_credentials(text: str) -> str:
+    """``text`` with everything that could be a credential replaced by ``<redacted>``."""
+    return _CREDENTIAL_RE.sub("<redacted>", text)
 
 
 class GatewayError(Exception):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from gateway.errors import (
     GatewayError,
     GatewayTimeout,
     UpstreamError,
+    scrub_credentials,
 )
 from gateway.metrics import Metrics
 
@@ -348,11 +350,16 @@ class UpstreamAnswer:
         self._response.close()
 
 
+_PARAM_RE = re.compile(r"[a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*")
+
+
 def engine_error(status: int, body: bytes) -> GatewayError:
     """Translate a non-200 engine answer into the error the client gets.
 
     A 4xx other than 401/403/404 describes the request: `EngineRejected` with the engine's
-    status, ``error.message`` and ``error.param`` (vLLM's OpenAI-compatible error body). 503 is
+    status, ``error.message`` and ``error.param`` (vLLM's OpenAI-compatible error body), with
+    anything in them that could be a credential the client put in its body redacted
+    (`gateway.errors.scrub_credentials`). 503 is
     `EngineBusy`; other 5xx `EngineFailed`; anything else (401, 403, 404, 1xx, 3xx) is a bad
     answer (`EngineBadResponse`). Not counted: `UpstreamAnswer.error` counts.
     """
@@ -366,7 +373,9 @@ def engine_error(status: int, body: bytes) -> GatewayError:
                 param = err.get("param") if isinstance(err.get("param"), str) else None
         except ValueError:
             pass
-        return EngineRejected(status, message, param=param)
+        if param is not None and not _PARAM_RE.fullmatch(param):
+            param = None  # field names only: lower-case words, dots and [index]
+        return EngineRejected(status, scrub_credentials(message), param=param)
     if status == 503:
         return EngineBusy()
     if status >= 500:

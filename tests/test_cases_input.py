@@ -232,3 +232,14 @@ def test_credentials_never_echoed_in_errors(stack: Gateway, where: str) -> None:
             assert fragment not in text, (where, shape, r.text[:300])
     logs = stack.log_path.read_text()
     assert KEY_A[7:27] not in logs
+
+
+def test_engine_error_messages_never_echo_a_credential(stack: Gateway) -> None:
+    """An engine 400 that quotes the request (the simulator names an unknown `sim` key) passes through with any credential in it redacted."""
+    for shape in (KEY_A, KEY_A[3:], f"Bearer {KEY_A}"):
+        r = post(stack, CHAT, {"messages": MESSAGES, "max_tokens": 2, "sim": {shape: 1}})
+        assert r.status_code == 400, r.text[:200]
+        text = r.text + json.dumps(dict(r.headers))
+        assert "unknown `sim` key" in r.json()["error"]["message"]
+        for fragment in (KEY_A, KEY_A[3:], KEY_A[7:27]):
+            assert fragment not in text, r.text
