@@ -38,7 +38,7 @@ from gateway.errors import (
     RequestQuarantined,
 )
 from gateway.launcher_status import killed_for_hang
-from gateway.middleware import Handler
+from gateway.middleware import Handler, credential
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
 from gateway.state import (
     ACCOUNTING,
@@ -97,6 +97,7 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
     live = call.live
     server = live.settings.server
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+    refuse_own_credential(raw, credential(request, call.dialect))
     given = PlanInput(
         body=parse_body(raw),
         settings=live.settings,
@@ -108,6 +109,24 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
         call.plan = call.dialect.plan(given)
     except RecursionError:
         raise BadRequest("The JSON body is nested too deeply.") from None
+
+
+def refuse_own_credential(raw: bytes, authorization: str | None) -> None:
+    """Refuse a body that carries the credential the request authenticated with (pasted into a
+    message or a field by mistake): it would otherwise reach the engine, its logs and its
+    prefix cache. The credential is not echoed.
+
+    Raises:
+        BadRequest: the body contains the request's own API key or token.
+    """
+    if not authorization:
+        return
+    secret = authorization.strip().partition(" ")[2].strip()
+    if len(secret) >= 16 and secret.encode("utf-8", "surrogatepass") in raw:
+        raise BadRequest(
+            "The request body contains this request's own API key or token; remove it "
+            "(it would be sent to the model)."
+        )
 
 
 async def handle_model_request(request: web.Request, dialect: Dialect) -> web.StreamResponse:

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ALIAS, KEY_A, Gateway, Sim
+from tests.conftest import ALIAS, KEY_A, KEY_B, Gateway, Sim
 
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
 CHAT = "/v1/chat/completions"
@@ -237,9 +237,22 @@ def test_credentials_never_echoed_in_errors(stack: Gateway, where: str) -> None:
 def test_engine_error_messages_never_echo_a_credential(stack: Gateway) -> None:
     """An engine 400 that quotes the request (the simulator names an unknown `sim` key) passes through with any credential in it redacted."""
     for shape in (KEY_A, KEY_A[3:], f"Bearer {KEY_A}"):
-        r = post(stack, CHAT, {"messages": MESSAGES, "max_tokens": 2, "sim": {shape: 1}})
+        body = {"messages": MESSAGES, "max_tokens": 2, "sim": {shape: 1}}
+        r = httpx.post(
+            stack.url(CHAT), json=body, headers={"Authorization": f"Bearer {KEY_B}"}, timeout=30
+        )
         assert r.status_code == 400, r.text[:200]
         text = r.text + json.dumps(dict(r.headers))
         assert "unknown `sim` key" in r.json()["error"]["message"]
         for fragment in (KEY_A, KEY_A[3:], KEY_A[7:27]):
             assert fragment not in text, r.text
+
+
+def test_own_credential_in_the_body_is_refused(stack: Gateway) -> None:
+    """A body carrying the request's own API key (pasted into a message) is a 400 that does not echo it, and never reaches the engine."""
+    before = engine_calls(stack.sim)
+    content = f"my key is {KEY_A}, why does it fail?"
+    r = post(stack, CHAT, {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert r.status_code == 400
+    assert KEY_A not in r.text and KEY_A[7:27] not in r.text
+    assert engine_calls(stack.sim) == before
