@@ -399,3 +399,21 @@ def test_expect_100_continue_only_for_requests_that_will_be_accepted(stack: Gate
     assert answer.startswith(b"HTTP/1.1 413"), answer[:60]
     answer = expect_exchange(stack, KEY_A, len(body), body)
     assert answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"), answer[:80]
+
+
+def test_c21_shipped_stop_timeouts_outlast_the_grace() -> None:
+    """C21: the unit's docker stop timeouts and TimeoutStopSec exceed the shipped shutdown_grace_s plus the 2 s the drain may take."""
+    import re
+
+    from gateway.config import load_settings
+
+    deploy = REPO / "deploy"
+    grace = load_settings(deploy / "etc" / "gateway.toml").server.shutdown_grace_s
+    unit = (deploy / "systemd" / "qwen38-gateway.service").read_text()
+    docker_run = [int(v) for v in re.findall(r"--stop-timeout (\d+)", unit)]
+    docker_stop = [int(v) for v in re.findall(r"docker stop -t (\d+)", unit)]
+    systemd = [int(v) for v in re.findall(r"^TimeoutStopSec=(\d+)", unit, re.M)]
+    assert docker_run and docker_stop and systemd
+    for seconds in docker_run + docker_stop:
+        assert seconds > grace + 2
+    assert systemd[0] > max(docker_stop) > grace + 2
