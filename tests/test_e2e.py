@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ALIAS, KEY_A, Gateway
+from tests.conftest import ALIAS, KEY_A, KEY_B, Gateway
 
 _CLIENTS: list[openai.OpenAI] = []
 
@@ -190,8 +190,8 @@ def test_credential_sent_as_model_is_not_echoed(stack: Gateway) -> None:
     r = httpx.post(
         stack.url("/v1/chat/completions"),
         headers={"Authorization": f"Bearer {KEY_A}"},
-        json={"model": KEY_A, "messages": [{"role": "user", "content": "x"}]},
+        json={"model": KEY_B, "messages": [{"role": "user", "content": "x"}]},
     )
-    assert r.status_code == 404 and KEY_A not in r.text
+    assert r.status_code == 404 and KEY_B not in r.text
     r = httpx.get(stack.url(f"/v1/models/{KEY_A}"), headers={"Authorization": f"Bearer {KEY_A}"})
     assert r.status_code == 404 and KEY_A not in r.text
