@@ -14,10 +14,12 @@ import contextlib
 import os
 import ssl
 import stat
+import tempfile
 from typing import Any
 
 import structlog
 
+from engine.tomlfile import read_regular_file
 from gateway.reload import BlockingCalls, FileBlocked, Signature, file_signature
 
 log = structlog.get_logger("gateway.tls")
@@ -92,9 +94,27 @@ class TlsFiles:
         return file_signature(self.cert_file), file_signature(self.key_file)
 
     def _load(self) -> None:
-        # A fresh context first: a bad pair must not touch the live one.
-        server_context(self.cert_file, self.key_file)
-        _load_into(self.context, self.cert_file, self.key_file)
+        """Snapshot both files, check the pair in a fresh context, then load the same bytes into
+        the live one. A failed ``load_cert_chain`` can leave a context with the new certificate
+        and the old key, and a renewal tool may be between its two writes, so the live context is
+        only ever given a pair that just loaded."""
+        with tempfile.TemporaryDirectory(prefix="qwen38-tls-") as private:
+            cert_copy = os.path.join(private, "cert.pem")
+            key_copy = os.path.join(private, "key.pem")
+            for source, copy in ((self.cert_file, cert_copy), (self.key_file, key_copy)):
+                data = read_regular_file(source)
+                fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+            try:
+                server_context(cert_copy, key_copy)
+            except TlsError as exc:
+                reason = str(exc).rpartition("(")[2].rstrip(")")
+                raise TlsError(
+                    f"{self.cert_file} / {self.key_file}: certificate and key do not load "
+                    f"({reason})"
+                ) from None
+            _load_into(self.context, cert_copy, key_copy)
 
     async def reload(self, trigger: str = "signal", metrics: Any = None) -> bool:
         """Re-read both files into the live context; True when the new pair is in force.
@@ -107,7 +127,7 @@ class TlsFiles:
             try:
                 self._seen = await self._calls.run(self._signatures)
                 await self._calls.run(self._load)
-            except (TlsError, FileBlocked) as exc:
+            except (TlsError, FileBlocked, OSError) as exc:
                 log.error("tls_reload_failed", listener=self.name, trigger=trigger, error=str(exc))
                 if metrics is not None:
                     metrics.config_reloads.labels("error").inc()

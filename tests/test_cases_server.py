@@ -207,6 +207,15 @@ def test_tls_certificate_renewed_without_restart_or_cut(
     assert wait_until(lambda: peer_common_name(gw, ca.bundle) == "third", 5)
     worker.join(30)
     assert result["raw"].endswith(b"data: [DONE]\n\n"), "the open stream was cut"
+    # A new certificate whose key was not written yet keeps the pair in force (a failed load
+    # must not leave the new certificate with the old key in the live context).
+    spare = workdir / "spare"
+    spare.mkdir()
+    ca.issue(spare / "cert.pem", spare / "key.pem", "fourth")
+    gw.extra["cert"].write_bytes((spare / "cert.pem").read_bytes())
+    gw.proc.send_signal(signal.SIGHUP)
+    assert wait_until(lambda: sum(e.get("event") == "tls_reload_failed" for e in gw.logs()) >= 1, 5)
+    assert peer_common_name(gw, ca.bundle) == "third"
     # A broken pair keeps the one in force.
     gw.extra["key"].write_text("not a key\n")
     gw.proc.send_signal(signal.SIGHUP)
