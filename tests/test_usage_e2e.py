@@ -308,3 +308,39 @@ def test_non_streamed_request_left_by_its_client_is_charged_its_prompt(
     (row,) = ledger_rows(path)
     assert (row["status"], row["prompt_tokens"]) == (499, prompt)
     assert prompt > 20 and row["completion_tokens"] <= generated
+
+
+def test_full_disk_never_fails_a_request_and_loses_no_record(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory, workdir: Path
+) -> None:
+    """A full ledger disk: requests still 200, the failure logged once and counted, and every
+    record written once there is room again."""
+    mnt = workdir / "disk"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        sim = sim_factory()
+        path = mnt / "usage.sqlite3"
+        gw = gateway_factory(sim, {"ledger": {"path": str(path), "flush_interval_s": 0.05}})
+        assert post(gw, chat("disk-first", {"completion_tokens": 3})).status_code == 200
+        assert wait_until(lambda: gw.metric("gateway_ledger_records_total") == 1, 5)
+        filler = mnt / "filler"
+        with open(filler, "wb") as handle, pytest.raises(OSError):
+            handle.write(b"\0" * (1 << 20))
+        for i in range(20):
+            r = post(gw, chat(f"disk-{i}", {"completion_tokens": 3}))
+            assert r.status_code == 200
+        assert wait_until(lambda: gw.metric("gateway_ledger_write_errors_total") >= 1, 10)
+        failed = [e for e in gw.logs() if e.get("event") == "ledger_write_failed"]
+        assert len(failed) == 1 and failed[0]["level"] == "error"
+        filler.unlink()
+        assert wait_until(lambda: gw.metric("gateway_ledger_records_total") == 21, 15)
+        assert gw.metric("gateway_ledger_dropped_records_total") == 0
+        assert any(e.get("event") == "ledger_write_recovered" for e in gw.logs())
+        assert len(ledger_rows(path)) == 21
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
