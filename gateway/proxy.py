@@ -263,7 +263,7 @@ def record_call(accounting: Accounting, context: RequestContext) -> None:
         key_id=principal.key_id,
         subject=principal.subject,
         endpoint=context.route,
-        status=context.status,
+        status=context.error_status or context.status,
         prompt_tokens=(usage.prompt_tokens or 0) if usage.settled else 0,
         completion_tokens=(usage.completion_tokens or 0) if usage.settled else 0,
         reasoning_tokens=usage.reasoning_tokens,
