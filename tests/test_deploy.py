@@ -718,3 +718,50 @@ def test_keys_example_is_inert() -> None:
     assert all(line.startswith("#") for line in text.splitlines() if line.strip())
     keys = parse_keys(text.encode())
     assert keys.api_keys == () and keys.signing_keys == ()
+
+
+def _example_keys(text: str) -> set[str]:
+    """Dotted keys a TOML example sets or shows commented out (``# key = ...``), with tables
+    (``[engine.env]``, ``# [engine.speculative]``) counted as keys of their parent."""
+    found: set[str] = set()
+    table = ""
+    for line in text.splitlines():
+        header = re.match(r"^#?\s*\[([a-z_.]+)\]\s*$", line)
+        if header:
+            table = header.group(1)
+            found.add(table)
+            continue
+        key = re.match(r"^#?\s*([a-z_]+)\s*=", line)
+        if key and table:
+            found.add(f"{table}.{key.group(1)}")
+    return found
+
+
+def test_example_configs_list_every_setting_the_loaders_accept() -> None:
+    """Every key the config loaders accept (from their section tables and dataclasses) is in
+    the example file: the examples are the configuration reference."""
+    import dataclasses
+
+    from engine import config as engine_config
+    from gateway import config as gateway_config
+
+    shown = _example_keys((ETC / "gateway.toml").read_text())
+    accepted = {
+        f"{section}.{f.name}"
+        for section, cls in gateway_config._SECTIONS.items()
+        for f in dataclasses.fields(cls)
+    }
+    tenant_keys = {f.name for f in dataclasses.fields(gateway_config.TenantSettings)} - {"name"}
+    shown_tenant = {key.rsplit(".", 1)[1] for key in shown if key.startswith("tenants.")}
+    missing = sorted(accepted - shown) + sorted(
+        f"tenants.*.{k}" for k in tenant_keys - shown_tenant
+    )
+    assert not missing, f"gateway.toml lacks {missing}"
+
+    shown = _example_keys((ETC / "engine.toml").read_text())
+    accepted = {
+        f"{section}.{key}"
+        for section, (_, checks) in engine_config._SECTIONS.items()
+        for key in checks
+    }
+    assert not sorted(accepted - shown), f"engine.toml lacks {sorted(accepted - shown)}"
