@@ -426,3 +426,19 @@ def test_c21_shipped_stop_timeouts_outlast_the_grace() -> None:
     for seconds in docker_run + docker_stop:
         assert seconds > grace + 2
     assert systemd[0] > max(docker_stop) > grace + 2
+
+
+def test_tls_on_the_metrics_listener(gateway_factory: Any, sim_factory: Any, workdir: Path) -> None:
+    """TLS: the metrics listener takes the same settings; a scrape over HTTPS with the test CA works, plain HTTP does not."""
+    ca = make_ca(workdir)
+    cert, key = workdir / "m-cert.pem", workdir / "m-key.pem"
+    ca.issue(cert, key, "metrics")
+    gw = gateway_factory(
+        sim_factory(), {"metrics": {"tls_cert_file": str(cert), "tls_key_file": str(key)}}
+    )
+    secure = gw.metrics_url.replace("http://", "https://")
+    context = ssl.create_default_context(cafile=str(ca.bundle))
+    r = httpx.get(secure, verify=context, timeout=10)
+    assert r.status_code == 200 and "gateway_requests_total" in r.text
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(gw.metrics_url, timeout=3)
