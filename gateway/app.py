@@ -118,6 +118,7 @@ def create_app(
         fingerprint_key(app[LIVE].current.salt_secret),
         metrics,
         health_interval_s=lambda: app[LIVE].current.settings.engine.health_interval_s,
+        unhealthy_after_s=lambda: app[LIVE].current.settings.engine.unhealthy_after_s,
     )
 
     def on_engine(previous: EngineStatus, status: EngineStatus) -> None:

@@ -110,6 +110,10 @@ class EngineSettings:
     exports it as ``qwen38_engine_*`` series (restarts by reason, hangs, stall seconds).
     ``drift_check_interval_s``: how often the gateway's in-flight count is compared with the
     engine's ``vllm:num_requests_running`` (drift is logged).
+    ``unhealthy_after_s``: how long ``/health`` probes must keep timing out (or failing without
+    an answer) before a ready engine is marked down; a refused connection, a missing socket or a
+    non-200 answer marks it down at once (`gateway.upstream.poll_health`). Default 10 s: three
+    failed probes at the default 2 s interval, well above a loaded engine's slow ``/health``.
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
     headers and ``: queued`` SSE comments while it waits.
     """
@@ -126,6 +130,7 @@ class EngineSettings:
     min_tokens_per_s: float = 5.0
     pool_idle_s: float = 4.0
     health_interval_s: float = 2.0
+    unhealthy_after_s: float = 10.0
     queued_comment_after_s: float = 3.0
     ready_file: str = ""
     launcher_status_file: str = ""

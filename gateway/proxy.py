@@ -31,6 +31,7 @@ from gateway.dialects import Dialect, PlanInput
 from gateway.drain import Drain
 from gateway.errors import (
     BadRequest,
+    EngineDisconnected,
     EngineUnavailable,
     EngineUnreachable,
     GatewayError,
@@ -334,7 +335,7 @@ async def call_engine(
     sent once more when the engine is ready again (within ``engine.queue_timeout_s``), unless
     its fingerprint was quarantined by that death or the launcher killed the engine for a hang;
     one that got any byte is never sent again.
-    While at the engine the request is a quarantine suspect (`gateway.quarantine`).
+    A request whose engine connection fails is a quarantine suspect (`gateway.quarantine`).
 
     The request's total time limit (`time_limit`) runs from here, the same for streamed and
     non-streamed answers; when it fires the engine request is aborted and the client gets 504
@@ -456,7 +457,8 @@ async def _call_engine(
             return await stream.end_with_error(error)
         except GatewayError as exc:
             if token is not None:
-                quarantine.finished(token, dropped=False)
+                # A drop the engine's health did not (yet) prove fatal stays a suspect.
+                quarantine.finished(token, dropped=isinstance(exc, EngineDisconnected))
             if stream is None or stream.response is None:
                 raise
             return await stream.end_with_error(exc)
@@ -477,7 +479,8 @@ async def _call_engine(
         return result
     finally:
         if token is not None:
-            quarantine.finished(token, dropped=not complete or answer.broken)
+            # Only the engine connection failing makes a suspect: not a client that left.
+            quarantine.finished(token, dropped=answer.broken)
         if complete:
             answer.release()
         else:

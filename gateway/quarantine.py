@@ -8,9 +8,16 @@ server secret of its canonical engine body (sorted keys, compact JSON) without t
 ``request_id`` and the per-tenant ``cache_salt``. Without the secret the fingerprint says
 nothing about the content.
 
-A death is the engine going from ready (or warming) to down: its connections dropped or refused
-and the health probe failing. The requests at the engine then, and those whose connection
-dropped just before (`DROP_GRACE_S` plus two health intervals), each get a death. A fingerprint
+A death counts for a request only when both hold: its own engine connection failed (dropped
+mid-request, reset, or dropped before the answer's headers; a client leaving, a time limit or a
+clean end is not a failure) and the engine proved down (`gateway.upstream.poll_health`: a
+refused or missing socket, a non-200 ``/health``, or probes failing for
+``engine.unhealthy_after_s``). The order does not matter: a request whose connection failed up
+to `DROP_GRACE_S` plus two health intervals plus ``engine.unhealthy_after_s`` before the engine
+went from ready (or warming) to down gets the death then; one at the engine when it went down
+gets it if its connection fails before the engine is ready again. A request whose connection
+stays alive and keeps answering never gets a death, however slow ``/health`` is. Each request
+gets at most one death per outage. A fingerprint
 with ``quarantine.deaths`` deaths within ``quarantine.window_s`` is quarantined for
 ``quarantine.duration_s``: refused with 422 ``request_quarantined`` (`RequestQuarantined`)
 before it reaches the engine. Requests waiting in the admission queue are never suspects.
@@ -194,6 +201,7 @@ class Quarantine:
         metrics: Metrics,
         *,
         health_interval_s: Callable[[], float] = lambda: 2.0,
+        unhealthy_after_s: Callable[[], float] = lambda: 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
@@ -201,6 +209,8 @@ class Quarantine:
         self._metrics = metrics
         self._clock = clock
         self._health_interval_s = health_interval_s
+        self._unhealthy_after_s = unhealthy_after_s
+        self._down = False  # between engine_died and engine_ready
         self._file = StateFile(settings.state_file) if settings.state_file else None
         self._records: dict[str, Record] = {}
         self._mtime = -1.0
@@ -245,23 +255,35 @@ class Quarantine:
         return token
 
     def finished(self, token: int, *, dropped: bool) -> None:
-        """The request of ``token`` left the engine; ``dropped``: its connection failed (the
-        engine may have died under it)."""
+        """The request of ``token`` left the engine; ``dropped``: its engine connection failed
+        (the engine may have died under it). A failure while the engine is down is a death at
+        once; one while it is up stays a suspect for the grace time (`engine_died`)."""
         entry = self._running.pop(token, None)
-        if entry is not None and dropped and entry[0] not in self._counted:
+        if entry is None or not dropped or entry[0] in self._counted:
+            return
+        if self._down:
+            self._count({entry[0]: entry[1]}, self._clock())
+        else:
             self._dropped.append((self._clock(), *entry))
 
     def engine_died(self) -> list[str]:
-        """The engine went down: every request at it, or dropped just before, gets a death.
+        """The engine proved down: every request whose engine connection failed within the
+        grace time before gets a death (those still at it get theirs in `finished` if their
+        connection fails before `engine_ready`).
 
         Returns the fingerprints quarantined by this death.
         """
         now = self._clock()
-        grace = DROP_GRACE_S + 2 * self._health_interval_s()
-        suspects = dict(self._running.values())
-        suspects.update((fp, rid) for at, fp, rid in self._dropped if now - at <= grace)
+        grace = DROP_GRACE_S + 2 * self._health_interval_s() + self._unhealthy_after_s()
+        suspects = {fp: rid for at, fp, rid in self._dropped if now - at <= grace}
         self._dropped.clear()
-        self._counted = set(suspects)
+        self._counted = set()
+        self._down = True
+        return self._count(suspects, now)
+
+    def _count(self, suspects: dict[str, str], now: float) -> list[str]:
+        """Give each fingerprint of ``suspects`` (fingerprint: request id) one death."""
+        self._counted.update(suspects)
         if not suspects or not self.enabled:
             return []
         added = self._update(lambda records: self._add_deaths(records, set(suspects), now))
@@ -276,6 +298,7 @@ class Quarantine:
 
     def engine_ready(self) -> None:
         """The engine is back: the next death is a new one."""
+        self._down = False
         self._counted = set()
         self._dropped.clear()
 

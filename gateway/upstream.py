@@ -45,6 +45,20 @@ events = structlog.get_logger("gateway")
 
 EngineStatus = Literal["starting", "warming", "ready", "down"]
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
+REFUSED = "connection refused"
+"""Probe reason: the socket is missing or refuses connections (the engine process is gone)."""
+HEALTH_TIMEOUT = "health timeout"
+"""Probe reason: no answer within the probe's timeout (a slow engine gives it too)."""
+
+
+def proves_down(reason: str | None) -> bool:
+    """True when a failed probe's ``reason`` proves the engine down by itself: the socket is
+    missing or refuses (`REFUSED`), or the engine answered ``/health`` with a non-200 status
+    (vLLM answers 503 once its engine core died: "Health" in the vLLM OpenAI server docs).
+    A timeout or a dropped probe connection proves nothing alone: real vLLM's ``/health``
+    answers late while the host is busy generating.
+    """
+    return reason == REFUSED or (reason or "").startswith("health status ")
 
 
 class EngineState:
@@ -52,7 +66,7 @@ class EngineState:
 
     States: ``starting`` (never answered yet), ``warming`` (answers ``/health`` but the launcher
     has not finished the warm-up request: ``engine.ready_file`` configured and absent),
-    ``ready``, ``down`` (answered before, now refuses, fails or times out).
+    ``ready``, ``down`` (answered before and now proved down: `poll_health` gives the rule).
     """
 
     def __init__(self, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
@@ -154,13 +168,14 @@ class Upstream:
 
         Never retried on a live engine: a connection that drops may have carried a whole
         generation, and running it twice costs the one-sequence engine minutes. A drop is
-        followed by one ``/health`` probe: an engine that no longer answers died (its pooled
-        connections die with it), which is reported as unreachable so that a queued request
-        can wait for the engine's return instead of failing.
+        followed by one ``/health`` probe: an engine that refuses it or answers non-200 died
+        (its pooled connections die with it), which is reported as unreachable so that a
+        queued request can wait for the engine's return instead of failing; a probe that only
+        times out proves nothing (`proves_down`) and the drop is a disconnect.
 
         Raises:
             EngineUnreachable: the socket refuses or does not exist (engine down or loading),
-                or the connection dropped and the engine no longer answers (``sent`` true).
+                or the connection dropped and the engine proved down (``sent`` true).
             GatewayTimeout: no answer within ``read_timeout_s``.
             EngineDisconnected: the engine dropped the connection and is still up.
         """
@@ -185,8 +200,9 @@ class Upstream:
         except asyncio.TimeoutError as exc:
             raise self.failed(GatewayTimeout(), exc) from exc
         except aiohttp.ClientError as exc:
-            status, _ = await self.health(timeout=min(1.0, self.settings.connect_timeout_s))
-            error = EngineUnreachable(sent=True) if status == "down" else EngineDisconnected()
+            status, reason = await self.health(timeout=min(1.0, self.settings.connect_timeout_s))
+            gone = status == "down" and proves_down(reason)
+            error = EngineUnreachable(sent=True) if gone else EngineDisconnected()
             raise self.failed(error, exc) from exc
         return UpstreamAnswer(self, response)
 
@@ -232,7 +248,12 @@ class Upstream:
         return None
 
     async def health(self, timeout: float) -> tuple[EngineStatus, str | None]:
-        """Probe ``GET /health``: ``ready`` on 200, ``down`` otherwise, with a short reason."""
+        """Probe ``GET /health``: ``ready`` on 200, ``down`` otherwise, with a short reason.
+
+        Reasons: `REFUSED` (socket missing or refusing), ``"health status N"`` (a non-200
+        answer), `HEALTH_TIMEOUT`, or an aiohttp error's class name; `proves_down` tells the
+        definite ones from those a slow or busy engine also gives.
+        """
         try:
             async with self.session.get(
                 "http://engine/health", timeout=aiohttp.ClientTimeout(total=timeout)
@@ -242,9 +263,9 @@ class Upstream:
                     return "ready", None
                 return "down", f"health status {resp.status}"
         except _CONNECT_ERRORS:
-            return "down", "connection refused"
+            return "down", REFUSED
         except asyncio.TimeoutError:
-            return "down", "health timeout"
+            return "down", HEALTH_TIMEOUT
         except aiohttp.ClientError as exc:
             return "down", type(exc).__name__
 
@@ -388,13 +409,35 @@ async def poll_health(
 ) -> None:
     """Probe the engine's /health every ``engine.health_interval_s`` seconds, forever.
 
-    ``settings`` returns the live ``[engine]`` table (a reload changes the interval).
+    The rule for ``down``: a probe whose failure `proves_down` (socket missing or refusing, a
+    non-200 answer) marks the engine down at once. Any other failure (a timeout, a dropped
+    probe) marks a ready or warming engine down only when probes have kept failing, with no
+    success between, for ``engine.unhealthy_after_s`` seconds counted from the start of the
+    first failed probe, and at least two of them: a single slow probe never does. Until then
+    each failure is logged as ``engine_probe_failed`` and the state is kept. Each probe waits
+    ``max(1, engine.health_interval_s)`` seconds. ``settings`` returns the live ``[engine]``
+    table (a reload changes the interval and the threshold).
     """
+    failing_since: float | None = None
+    failures = 0
     while True:
         engine = settings()
+        started = time.monotonic()
         status, error = await upstream.health(timeout=max(1.0, engine.health_interval_s))
         if status == "ready" and engine.ready_file and not os.path.exists(engine.ready_file):
             status = "warming"
+        if status != "down" or proves_down(error) or state.status not in ("ready", "warming"):
+            failing_since, failures = None, 0
+        else:
+            failing_since = started if failing_since is None else failing_since
+            failures += 1
+            failing_s = time.monotonic() - failing_since
+            if failures < 2 or failing_s < engine.unhealthy_after_s:
+                log.warning(
+                    "engine_probe_failed", error=error, failures=failures, failing_s=failing_s
+                )
+                await asyncio.sleep(engine.health_interval_s)
+                continue
         if status == "down" and state.status == "starting":
             status = "starting"
         state.set(status, error)

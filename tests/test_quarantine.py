@@ -207,16 +207,25 @@ def test_fingerprint_ignores_ids_and_salts_and_depends_on_the_secret() -> None:
 
 
 def test_only_requests_at_the_engine_are_suspects(tmp_path: Path) -> None:
-    """A death marks the running and the just-dropped requests, never those that finished; two
-    deaths within the window quarantine, and the state survives in the file."""
+    """A death marks requests whose engine connection failed around it, never those that
+    finished or kept their connection; two deaths within the window quarantine, and the state
+    survives in the file."""
     q = make_quarantine(tmp_path)
     running = q.started("aa" * 16, "r1")
     done = q.started("bb" * 16, "r2")
+    alive = q.started("dd" * 16, "r4")
     q.finished(done, dropped=False)
-    q.engine_died()
+    assert q.engine_died() == []
     q.finished(running, dropped=True)  # the same death, seen later by the request itself
+    q.finished(alive, dropped=False)  # its connection outlived the outage: no death
     q.engine_ready()
     assert not q.entries()
+    for _ in range(2):
+        again = q.started("dd" * 16, "r5")
+        q.engine_died()
+        q.finished(again, dropped=False)
+        q.engine_ready()
+    assert not q.entries(), "a live connection through two outages is no suspect"
     again = q.started("aa" * 16, "r3")
     q.finished(again, dropped=True)
     assert q.engine_died() == ["aa" * 16]
@@ -234,11 +243,16 @@ def test_deaths_outside_the_window_do_not_add_up(tmp_path: Path) -> None:
         clock=lambda: now[0],
     )
     for _ in range(2):
-        q.started("cc" * 16, "r")
+        token = q.started("cc" * 16, "r")
+        q.finished(token, dropped=True)
         q.engine_died()
         q.engine_ready()
         now[0] += 61
     assert not q.entries()
+    now[0] -= 30  # 31 s after the second death
+    token = q.started("cc" * 16, "r")
+    q.finished(token, dropped=True)
+    assert q.engine_died() == ["cc" * 16], "within the window two deaths do quarantine"
 
 
 def test_unreadable_state_file_keeps_the_last_state(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ handler at once (section 6).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import time
@@ -235,8 +236,12 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _health(request: web.Request) -> web.StreamResponse:
     """`/health` and `/ping`: empty 200; process-wide refuse, hang and headers_delay_s apply,
-    a refusal with 503 as vLLM's dead engine answers: an empty 503 (section 2)."""
-    behaviour = request.app[OPTIONS].behaviour
+    a refusal with 503 as vLLM's dead engine answers: an empty 503 (section 2). With
+    ``--health-delay-busy-s`` the answer waits that long while a request is generating."""
+    options = request.app[OPTIONS]
+    behaviour = options.behaviour
+    if options.health_delay_busy_s > 0 and request.app[SCHEDULER].running > 0:
+        await asyncio.sleep(options.health_delay_busy_s)
     if behaviour.refuse == "503":
         return web.Response(status=503)
     early = await entry_faults(request, behaviour)

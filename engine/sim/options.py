@@ -256,6 +256,7 @@ class SimOptions:
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
     load_s: float = 0.0
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    health_delay_busy_s: float = 0.0
     record: str | None = None
     behaviour: Behaviour = Behaviour()
 
@@ -294,6 +295,7 @@ class SimOptions:
             kv_cache_tokens=args.kv_cache_tokens,
             load_s=args.load_s,
             keep_alive_s=keep_alive,
+            health_delay_busy_s=args.health_delay_busy_s,
             record=args.record,
             behaviour=Behaviour(**{name: getattr(args, name) for name in _SPECS}),
         )
@@ -412,6 +414,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_KV_CACHE_TOKENS,
         help="KV cache pool size for vllm:kv_cache_usage_perc",
+    )
+    sim.add_argument(
+        "--health-delay-busy-s",
+        type=float,
+        default=0.0,
+        help="seconds /health and /ping wait before answering while a request is generating, "
+        "like a loaded engine host",
     )
     sim.add_argument(
         "--load-s",

@@ -53,6 +53,7 @@ class Scheduler:
         self._slots = asyncio.Semaphore(max_num_seqs)
         self._kv_capacity = kv_cache_tokens
         self._kv_used = 0
+        self.running = 0  # sequences generating now
 
     def kv_add(self, tokens: int) -> None:
         """Change the KV cache tokens in use by `tokens` and publish the fill ratio."""
@@ -76,6 +77,7 @@ class Scheduler:
             metrics.waiting.dec()
         slot = Slot(self, prompt_tokens, arrival)
         metrics.running.inc()
+        self.running += 1
         metrics.prompt_tokens.inc(prompt_tokens)
         self.kv_add(prompt_tokens)
         try:
@@ -90,4 +92,5 @@ class Scheduler:
             slot.finish("abort")
             self.kv_add(-slot.kv_tokens)
             metrics.running.dec()
+            self.running -= 1
             self._slots.release()
