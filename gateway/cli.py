@@ -66,11 +66,12 @@ def _check(args: argparse.Namespace) -> int:
                 failed = True
             else:
                 print(f"OK   {name} tls: {section.tls_cert_file}")
-    problems = check_keys_file(settings.auth.keys_file)
+    keys_file = args.keys_file or settings.auth.keys_file
+    problems = check_keys_file(keys_file)
     for problem in problems:
         print(f"FAIL keys: {problem}")
     if not problems:
-        print(f"OK   keys: {settings.auth.keys_file}")
+        print(f"OK   keys: {keys_file}")
     return 1 if problems or failed else 0
 
 
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="validate the config and keys file; exit 1 on problems")
     p.add_argument("--config", help=config_help)
+    p.add_argument(
+        "--keys-file", metavar="F", help="the keys file (default: auth.keys_file of the config)"
+    )
     p.set_defaults(func=_check)
 
     add_subcommands(sub)

@@ -130,12 +130,15 @@ class KeySet:
         signing_keys: JWT keys in file order.
         settings: reserved ``QWEN38_*`` values (masked in repr).
         source: the file it came from, or None.
+        version: 16 hex digits of the SHA-256 of the file's bytes (``keys_version`` of
+            ``/ready``, what ``--wait`` compares); a hash of the whole file, never a secret.
     """
 
     api_keys: tuple[ApiKey, ...] = ()
     signing_keys: tuple[SigningKey, ...] = ()
     settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
     source: str | None = None
+    version: str = ""
 
     @property
     def key_count(self) -> int:
@@ -423,4 +426,5 @@ def parse_keys(raw: bytes, source: str = "<keys>") -> KeySet:
             api_keys.append(api_key)
     if problems.items:
         raise KeysFileError(problems.items)
-    return KeySet(tuple(api_keys), tuple(signing), MappingProxyType(settings), source)
+    version = hashlib.sha256(raw).hexdigest()[:16]
+    return KeySet(tuple(api_keys), tuple(signing), MappingProxyType(settings), source, version)

@@ -28,7 +28,8 @@ async def ready(request: web.Request) -> web.Response:
     """200 when keys are loaded and the engine is healthy and warm; JSON detail either way.
 
     Body: ``ready`` (bool), ``engine`` (status), ``engine_state_for_s`` (seconds in that
-    status), ``keys_loaded`` (API keys), ``queue_depth`` and ``in_flight`` (requests).
+    status), ``keys_loaded`` (API keys), ``keys_version`` (`KeySet.version`), ``queue_depth``
+    and ``in_flight`` (requests).
     """
     app = request.app
     state = app[ENGINE_STATE]
@@ -40,6 +41,7 @@ async def ready(request: web.Request) -> web.Response:
         "engine": state.status,
         "engine_state_for_s": round(app[CLOCK]() - state.since, 3),
         "keys_loaded": live.keys.key_count,
+        "keys_version": live.keys.version,
         "queue_depth": app[ADMISSION].depth,
         "in_flight": app[ADMISSION].in_flight,
     }

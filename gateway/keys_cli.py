@@ -33,6 +33,7 @@ from gateway.credentials import (
     secret_digest,
 )
 from gateway.keys_file import append_line, load_keys_file, remove_line, update_keys_file
+from gateway.keys_wait import add_wait_options, wait_if_asked
 
 SECRET_PREFIX = "sk-q38-"
 BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -43,7 +44,9 @@ HS256_SECRET_BYTES = 32
 DEFAULT_TTL_S = 3600
 _DURATION_RE = re.compile(r"(\d+)([dhm])")
 _DURATION_UNITS = {"d": "days", "h": "hours", "m": "minutes"}
-_RELOAD_NOTE = "The running gateway applies this within 2 s (or at once on SIGHUP)."
+_RELOAD_NOTE = (
+    "The running gateway applies this within 2 s (or at once on SIGHUP); --wait waits for it."
+)
 
 
 def generate_secret() -> str:
@@ -148,6 +151,7 @@ def add_subcommands(subparsers: Any) -> None:
         "--id", dest="key_id", type=_key_id, help="key id (default: key_<tenant>_<random>)"
     )
     _file_options(add)
+    add_wait_options(add)
     add.set_defaults(func=cmd_keys_add)
 
     listing = keys_sub.add_parser(
@@ -166,6 +170,7 @@ def add_subcommands(subparsers: Any) -> None:
     )
     revoke.add_argument("key_id", metavar="KEY_ID", help="key id, or JWT_<kid> for a signing key")
     _file_options(revoke)
+    add_wait_options(revoke)
     revoke.set_defaults(func=cmd_keys_revoke)
 
     signing = keys_sub.add_parser(
@@ -177,6 +182,7 @@ def add_subcommands(subparsers: Any) -> None:
     signing.add_argument("--alg", choices=("HS256", "EdDSA"), default="HS256")
     signing.add_argument("--kid", type=_kid, help="key id in the JWT header (default: generated)")
     _file_options(signing)
+    add_wait_options(signing)
     signing.set_defaults(func=cmd_keys_add_signing_key)
 
     token = subparsers.add_parser(
@@ -199,6 +205,7 @@ def add_subcommands(subparsers: Any) -> None:
         help=f"lifetime in seconds (default {DEFAULT_TTL_S}; at most auth.jwt_max_ttl_s)",
     )
     _file_options(issue)
+    add_wait_options(issue)
     issue.set_defaults(func=cmd_token_issue)
 
 
@@ -228,9 +235,12 @@ def _names(keyset: KeySet) -> set[str]:
 
 
 def _run(args: argparse.Namespace, body: Any) -> int:
-    """Run ``body(path)``, turning file and config problems into messages and exit code 1."""
+    """Run ``body(path)``, turning file and config problems into messages and exit code 1; then
+    ``--wait`` for the running gateway to load the file (`gateway.keys_wait`)."""
     try:
-        return int(body(_keys_path(args)))
+        path = _keys_path(args)
+        code = int(body(path))
+        return code or wait_if_asked(args, path, lambda: _settings(args))
     except KeysFileError as exc:
         return _report(exc.problems)
     except (ConfigError, OSError) as exc:
