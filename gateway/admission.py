@@ -232,6 +232,7 @@ class AdmissionQueue:
         self.clock = clock
         self._metrics = metrics
         self._in_flight = 0
+        self._grants = 0
         self._depth = 0
         self._seq = itertools.count()
         self._vtime = 0.0
@@ -248,6 +249,12 @@ class AdmissionQueue:
     def in_flight(self) -> int:
         """Tickets holding an engine slot."""
         return self._in_flight
+
+    @property
+    def grants(self) -> int:
+        """Slots granted since the queue was made (a request that saw no other grant while it
+        held the only slot had the engine to itself)."""
+        return self._grants
 
     @property
     def depth(self) -> int:
@@ -407,6 +414,7 @@ class AdmissionQueue:
         self._vtime = max(self._vtime, start)
         state.finish = start + ticket.cost / ticket.weight
         self._in_flight += 1
+        self._grants += 1
         self._metrics.queue_wait.labels(ticket.label).observe(now - ticket.enqueued_at)
 
     def _dispatch(self) -> None:

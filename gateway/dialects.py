@@ -118,6 +118,7 @@ def _openai_relay(settings: Settings, plan: RequestPlan) -> StreamRelay:
         settings.engine.model,
         settings.model.alias,
         client_wants_usage=plan.client_wants_usage,
+        client_wants_running_usage=plan.client_wants_running_usage,
         n=plan.n,
     )
 

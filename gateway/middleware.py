@@ -89,8 +89,9 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         response.headers["x-request-id"] = request_id
         return response
     except asyncio.CancelledError:
-        context.status = context.status or 499  # a status already sent stands
-        context.reason = context.reason or "client_disconnect"
+        if not context.status:  # a status already sent stands (the client left after it)
+            context.status = 499
+            context.reason = context.reason or "client_disconnect"
         raise
     finally:
         finish_request(request, context)
@@ -132,6 +133,8 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
         if call.usage.settled:
             fields["prompt_tokens"] = call.usage.prompt_tokens
             fields["completion_tokens"] = call.usage.completion_tokens
+            if call.usage.source not in (None, "engine", "none"):
+                fields["usage_source"] = call.usage.source  # a request cut short
     if context.reason:
         fields["reason"] = context.reason
     if context.error_status:

@@ -3,8 +3,10 @@
 ``open_call`` (after authentication) -> ``plan_call`` (read and parse the body, validate and
 rewrite it in the call's dialect) -> ``reserve`` (rate limits) -> ``admit`` (the fair admission
 queue, ``: queued`` comments for long-waiting streams) -> ``call_engine`` (the engine boundary,
-`gateway.upstream`) -> ``relay_stream`` / ``relay_json`` (`gateway.relay`) -> ``settle`` (usage,
-tokens, limits, quotas) -> finish (the access line, metrics and hooks, `gateway.middleware`;
+`gateway.upstream`; the engine's counters read first when the request holds the engine's only
+slot) -> ``relay_stream`` / ``relay_json`` (`gateway.relay`) -> ``release_ticket`` and ``settle``
+(`gateway.settling`: usage made final, exact for a request cut short; slot, tokens, limits,
+quotas) -> finish (the access line, metrics and hooks, `gateway.middleware`;
 `record_call` writes the usage ledger's record of every model request there).
 
 Quotas (`gateway.accounting`) are reserved before the per-minute limits and settled with them.
@@ -18,14 +20,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 import structlog
 from aiohttp import web
 
 from gateway.accounting import Accounting
-from gateway.admission import Ticket
 from gateway.body import parse_body, read_body
 from gateway.dialects import Dialect, PlanInput
 from gateway.drain import Drain
@@ -41,6 +40,7 @@ from gateway.errors import (
 from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler, credential
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
+from gateway.settling import release_ticket, run_to_end, settle, take_baseline
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
@@ -60,8 +60,6 @@ from gateway.state import (
 log = structlog.get_logger("gateway.proxy")
 
 _QUEUED_COMMENT = b": queued\n\n"
-PROMPT_COUNT_TIMEOUT_S = 2.0
-"""Longest wait for the engine's prompt count of a request cut before its usage arrived."""
 _QUEUED_COMMENT_EVERY_S = 5.0
 
 
@@ -176,75 +174,16 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
             with app[DRAIN].track():
                 return await admit_and_call(request, call)
         finally:
-            # The tenant's fair share is charged what the engine used, not the reservation.
-            release_ticket(call, ticket)
+            await run_to_end(release_ticket(request, call, ticket))
     except GatewayError as exc:
         for name, value in reservation.headers.items():
             exc.headers.setdefault(name, value)
         raise
     finally:
-        metrics.in_flight.labels(label).dec()
-        await run_to_end(settle(request, call))
-
-
-async def run_to_end(work: Coroutine[Any, Any, None]) -> None:
-    """Await ``work`` to its end even if the handler is cancelled meanwhile (the client closing
-    its connection after the last byte): slots, limits, quotas and the usage record must not
-    depend on when the client hangs up. The cancellation is passed on once ``work`` is done."""
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await task
-        raise
-
-
-def release_ticket(call: ModelCall, ticket: Ticket) -> None:
-    """Give the engine slot back at once, charging the tenant's fair share what was used.
-
-    A call cut before the engine's usage arrived is charged its prompt estimate here; its
-    usage is made final (with the engine's own prompt count) by `settle`, after the slot is
-    free for the next request.
-    """
-    assert call.plan is not None
-    usage = call.usage
-    if cut_without_usage(call):
-        completion = usage.completion_tokens
-        ticket.release(
-            call.plan.prompt_estimate
-            + (usage.streamed_events if completion is None else completion)
-        )
-    else:
-        ticket.release(sum(usage.settle(call.plan.prompt_estimate)))
-
-
-def cut_without_usage(call: ModelCall) -> bool:
-    """True for a call that reached the engine and ended before the engine reported usage."""
-    usage = call.usage
-    return usage.reached_engine and usage.prompt_tokens is None and not usage.settled
-
-
-async def settle(request: web.Request, call: ModelCall) -> None:
-    """Make the usage final, count the tokens of a call that reached the engine, settle limits
-    and quotas.
-
-    A call cut before the engine's usage arrived asks the engine for its own count of the
-    prompt (`Upstream.count_prompt`, while the engine is up); the estimate stands otherwise.
-    """
-    assert call.plan is not None and call.reservation is not None
-    usage = call.usage
-    if cut_without_usage(call) and request.app[ENGINE_STATE].ready:
-        usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
-            call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
-        )
-    prompt, completion = usage.settle(call.plan.prompt_estimate)
-    if usage.reached_engine:
-        metrics = request.app[METRICS]
-        metrics.tokens.labels(call.caller.label, "prompt").inc(prompt)
-        metrics.tokens.labels(call.caller.label, "completion").inc(completion)
-    await request.app[LIMITER].settle(call.reservation, prompt + completion)
-    if call.quota is not None:
-        await request.app[ACCOUNTING].settle(call.quota, prompt + completion)
+        try:
+            await run_to_end(settle(request, call))
+        finally:
+            metrics.in_flight.labels(label).dec()
 
 
 def record_call(accounting: Accounting, context: RequestContext) -> None:
@@ -411,10 +350,14 @@ async def _call_engine(
     retried = False
     token: int | None = None
     while True:
+        posting = False
         try:
             if fingerprint is not None:
                 quarantine.check(fingerprint, call.caller.label)  # quarantined while waiting
+            await take_baseline(request, call)
+            if fingerprint is not None:
                 token = quarantine.started(fingerprint, call.context.request_id)
+            posting = True
             answer = await upstream.post(
                 call.dialect.engine_path,
                 call.plan.body,
@@ -423,10 +366,10 @@ async def _call_engine(
             )
             break
         except asyncio.CancelledError:
-            # The client left while the engine worked on the request (a non-streamed answer
-            # sends its headers last): the engine has read the prompt, so it is charged.
-            call.usage.reached_engine = True
-            client_gone(request, call)
+            # Cut (the client gone, a time limit, a drain) while the engine worked on the
+            # request (a non-streamed answer sends its headers last): the engine has read the
+            # prompt and may have generated, so the request is charged (`call_engine`).
+            call.usage.reached_engine = posting
             raise
         except EngineUnavailable as exc:
             sent = isinstance(exc, EngineUnreachable) and exc.sent
@@ -466,6 +409,7 @@ async def _call_engine(
     complete = False
     try:
         if answer.status != 200:
+            call.usage.rejected = True
             error = await answer.error()
             complete = True
             if stream is None or stream.response is None:

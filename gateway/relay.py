@@ -139,7 +139,8 @@ async def relay_stream(
     """Forward the engine's SSE as it arrives: one client write per engine read (case C01).
 
     Whatever ends the stream (the client gone, cancellation, an engine drop), the usage seen
-    so far is recorded on ``call.usage``. An engine failure after the headers is one final
+    so far is recorded on ``call.usage``: the final usage of a complete answer, the running
+    usage (what was streamed) of one cut short. An engine failure after the headers is one final
     error event; a client that went away is a 499.
     """
     assert call.plan is not None, "the call is planned before the engine is called"
@@ -193,6 +194,7 @@ async def relay_stream(
     finally:
         usage = call.usage
         usage.streamed_events = state.content_events
+        usage.streamed = state.running
         if state.usage is not None:
             usage.prompt_tokens = state.usage.prompt_tokens
             usage.completion_tokens = state.usage.completion_tokens

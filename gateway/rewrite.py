@@ -49,6 +49,10 @@ class RequestPlan:
         body: UTF-8 JSON to POST to the engine.
         stream: the client asked for SSE.
         client_wants_usage: the client asked for the usage chunk (``stream_options.include_usage``).
+        client_wants_running_usage: the client also asked for usage on every chunk
+            (``stream_options.continuous_usage_stats``, which vLLM honours only with
+            ``include_usage``). The engine is always asked for both on a stream: the running
+            usage is what the gateway charges for a stream cut short (`gateway.sse`).
         thinking: effective thinking mode (None for ``/v1/completions``, which has no template).
         n: choices requested.
         prompt_estimate: prompt tokens estimated from the body (an over-estimate, see
@@ -66,6 +70,7 @@ class RequestPlan:
     prompt_estimate: int
     max_output: int
     reserve_tokens: int
+    client_wants_running_usage: bool = False
 
 
 def cache_salt(secret: bytes, tenant: str) -> str:
@@ -240,13 +245,18 @@ def plan_request(
     out["model"] = settings.engine.model
 
     client_wants_usage = False
+    client_wants_running_usage = False
     out.pop("stream_options", None)
     if stream:
+        # Usage on every chunk (vLLM docs, "OpenAI-Compatible Server", stream_options): what a
+        # stream cut short streamed, exactly, however the engine merged tokens into events.
         options = dict(stream_options or {})
         client_wants_usage = options.get("include_usage") is True
-        if not client_wants_usage:
-            options.pop("continuous_usage_stats", None)
+        client_wants_running_usage = (
+            client_wants_usage and options.get("continuous_usage_stats") is True
+        )
         options["include_usage"] = True
+        options["continuous_usage_stats"] = True
         out["stream_options"] = options
 
     thinking: bool | None = None
@@ -298,6 +308,7 @@ def plan_request(
         body=_dumps(out),
         stream=stream,
         client_wants_usage=client_wants_usage,
+        client_wants_running_usage=client_wants_running_usage,
         thinking=thinking,
         n=returned,
         prompt_estimate=prompt_estimate,

@@ -11,6 +11,9 @@ events, chunks carrying both reasoning names). Rewrites, all byte-level on compa
 - ``"reasoning":`` becomes ``"reasoning_content":`` (the name OpenAI-compatible clients read);
 - ``"model":"<engine name>"`` becomes the public alias when they differ;
 - the usage-only chunk is dropped unless the client asked for ``include_usage``;
+- the running ``usage`` of every chunk (the gateway always asks the engine for it:
+  ``continuous_usage_stats``) is observed and cut out byte by byte unless the client asked for
+  it too, so the client receives the very bytes it would have received without it;
 - ``data: [DONE]`` is sent exactly once, by this module, at a clean end;
 - a ``data:`` payload that is not a JSON object (``data:``, ``data: null``, ``data: hello``,
   ``data: [1,2]``: case C24) is dropped, counted in `RelayState.dropped_events`, and logged once
@@ -22,7 +25,8 @@ events, chunks carrying both reasoning names). Rewrites, all byte-level on compa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -51,6 +55,34 @@ class Usage:
 
 
 @dataclass
+class RunningUsage:
+    """The engine's running usage (``continuous_usage_stats``): what was streamed so far.
+
+    vLLM's per-chunk ``usage`` counts the tokens of the chunk's own choice (OpenAI API reference,
+    ``stream_options``; vLLM docs, "OpenAI-Compatible Server", ``continuous_usage_stats``), so
+    the running total is kept per choice index and summed.
+
+    Attributes:
+        prompt_tokens: the engine's prompt count (the largest reported; choices share the prompt).
+        choices: choice index -> (completion tokens, reasoning tokens or None), the last reported.
+    """
+
+    prompt_tokens: int = 0
+    choices: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Completion tokens streamed, all choices together."""
+        return sum(completion for completion, _ in self.choices.values())
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """Reasoning tokens streamed (part of `completion_tokens`), None when not reported."""
+        counts = [reasoning for _, reasoning in self.choices.values() if reasoning is not None]
+        return sum(counts) if counts else None
+
+
+@dataclass
 class RelayState:
     """What the relay observed; read by the caller for accounting, metrics and logs.
 
@@ -58,7 +90,8 @@ class RelayState:
         events: data events received (JSON or ``[DONE]``), comments excluded.
         content_events: data events other than the first (role) chunk, usage and errors; an upper
             bound of tokens streamed, used only when the engine never sent usage (a drop).
-        usage: the engine's usage, once its usage chunk was seen.
+        usage: the engine's final usage, once its usage-only chunk (``choices: []``) was seen.
+        running: the engine's running usage (tokens streamed so far), once a chunk carried one.
         done: the engine sent ``[DONE]``.
         finished_choices: ``finish_reason`` values seen (one per choice at a normal end).
         error: the error object of an in-stream error event, if any.
@@ -68,6 +101,7 @@ class RelayState:
     events: int = 0
     content_events: int = 0
     usage: Usage | None = None
+    running: RunningUsage | None = None
     done: bool = False
     finished_choices: int = 0
     error: dict[str, Any] | None = None
@@ -82,6 +116,8 @@ class SseRelay:
         alias: the public name to show instead.
         client_wants_usage: the client set ``stream_options.include_usage``; otherwise the usage
             chunk the gateway asked for is observed and dropped.
+        client_wants_running_usage: the client also set ``continuous_usage_stats``; otherwise
+            the ``usage`` of each chunk is observed and cut out of the chunk's bytes.
         n: choices requested; a stream that ends after ``n`` finish reasons without ``[DONE]``
             still counts as a clean end (case C06a).
 
@@ -90,12 +126,19 @@ class SseRelay:
     """
 
     def __init__(
-        self, engine_model: str, alias: str, *, client_wants_usage: bool, n: int = 1
+        self,
+        engine_model: str,
+        alias: str,
+        *,
+        client_wants_usage: bool,
+        client_wants_running_usage: bool = False,
+        n: int = 1,
     ) -> None:
         self.state = RelayState()
         self._buf = b""
         self._pending_cr = False
         self._wants_usage = client_wants_usage
+        self._wants_running = client_wants_usage and client_wants_running_usage
         self._n = max(1, n)
         self._model_from = b'"model":' + json.dumps(engine_model).encode()
         self._model_to = b'"model":' + json.dumps(alias).encode()
@@ -183,11 +226,19 @@ class SseRelay:
                 return None
         reasoning = b'"reasoning":' in chunk
         if (
-            b'"usage"' in chunk
-            or (reasoning and b'"reasoning_content":' in chunk)
+            (reasoning and b'"reasoning_content":' in chunk)
             or (self._rename_model and chunk.count(self._model_from) != events)
+            or b'"choices":[]' in chunk
         ):
             return None
+        if b'"usage":' in chunk:
+            if events == 1:
+                chunk = b"data: " + self._take_running_usage(chunk[6:-2]) + b"\n\n"
+            else:
+                chunk = b"".join(
+                    b"data: " + self._take_running_usage(event[6:]) + b"\n\n"
+                    for event in chunk[:-2].split(b"\n\n")
+                )
         state.content_events += events if state.events else events - 1
         state.events += events
         state.finished_choices += chunk.count(b'"finish_reason":"')
@@ -251,14 +302,15 @@ class SseRelay:
             if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
                 state.error = obj["error"]
                 return b"data: " + payload + b"\n\n"
-        if b'"usage"' in payload:
-            usage_only = self._observe_usage(payload)
+        if b'"choices":[]' in payload and b'"usage":' in payload:
+            self._observe_usage(payload)
             if not self._wants_usage:
-                if usage_only:
-                    return b""
-                payload = _drop_usage(payload)
-        elif state.events > 1:
-            state.content_events += 1
+                return b""
+        else:
+            if b'"usage":' in payload:
+                payload = self._take_running_usage(payload)
+            if state.events > 1:
+                state.content_events += 1
         state.finished_choices += payload.count(b'"finish_reason":"')
         if b'"reasoning":' in payload:
             if b'"reasoning_content":' in payload:
@@ -269,39 +321,97 @@ class SseRelay:
             payload = payload.replace(self._model_from, self._model_to, 1)
         return b"data: " + payload + b"\n\n"
 
-    def _observe_usage(self, payload: bytes) -> bool:
-        """Record the usage in a chunk; True when it is the usage-only chunk (``choices: []``)."""
+    def _observe_usage(self, payload: bytes) -> None:
+        """Record the final usage of the usage-only chunk (``choices: []``)."""
         try:
             obj = json.loads(payload)
         except ValueError:
-            return False
-        if not isinstance(obj, dict):
-            return False
+            return
+        if not isinstance(obj, dict) or obj.get("choices") != []:
+            return
         usage = obj.get("usage")
         if isinstance(usage, dict):
-            details = usage.get("completion_tokens_details")
-            reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
-            self.state.usage = Usage(
-                prompt_tokens=_int(usage.get("prompt_tokens")),
-                completion_tokens=_int(usage.get("completion_tokens")),
-                reasoning_tokens=_int(reasoning) if reasoning is not None else None,
-            )
-        return obj.get("choices") == []
+            self.state.usage = _usage(usage)
+
+    def _take_running_usage(self, payload: bytes) -> bytes:
+        """Record the running ``usage`` of one chunk; the chunk without it unless the client
+        asked for it (the bytes vLLM sends without ``continuous_usage_stats``)."""
+        span = usage_span(payload)
+        if span is None:
+            return payload
+        start, end = span
+        try:
+            usage = json.loads(payload[start + 9 : end])  # after ',"usage":'
+        except ValueError:
+            usage = None
+        if isinstance(usage, dict):
+            running = self.state.running
+            if running is None:
+                running = self.state.running = RunningUsage()
+            seen = _usage(usage)
+            running.prompt_tokens = max(running.prompt_tokens, seen.prompt_tokens)
+            index = _choice_index(payload) if self._n > 1 else 0
+            running.choices[index] = (seen.completion_tokens, seen.reasoning_tokens)
+        if self._wants_running:
+            return payload
+        return payload[:start] + payload[end:]
 
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
-def _drop_usage(payload: bytes) -> bytes:
-    """Remove a running ``usage`` object from a chunk the client did not ask usage for."""
-    try:
-        obj = json.loads(payload)
-    except ValueError:
-        return payload
-    if isinstance(obj, dict):
-        obj.pop("usage", None)
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+def _usage(usage: dict[str, Any]) -> Usage:
+    details = usage.get("completion_tokens_details")
+    reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    return Usage(
+        prompt_tokens=_int(usage.get("prompt_tokens")),
+        completion_tokens=_int(usage.get("completion_tokens")),
+        reasoning_tokens=_int(reasoning) if reasoning is not None else None,
+    )
+
+
+_USAGE_KEY = b',"usage":{'
+_CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
+
+
+def usage_span(payload: bytes) -> tuple[int, int] | None:
+    """Where ``,"usage":{...}`` sits in a compact chunk: (start, end) byte offsets, or None.
+
+    The key is found by its bytes: inside a JSON string a quote is escaped, so ``,"usage":{``
+    only ever matches the structure (vLLM's chunks have no other ``usage`` key). The object's
+    end is found by counting braces outside strings.
+    """
+    start = payload.find(_USAGE_KEY)
+    if start < 0:
+        return None
+    depth = 0
+    in_string = False
+    escaped = False
+    for offset in range(start + len(_USAGE_KEY) - 1, len(payload)):
+        byte = payload[offset]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte == 0x7B:  # {
+            depth += 1
+        elif byte == 0x7D:  # }
+            depth -= 1
+            if depth == 0:
+                return start, offset + 1
+    return None
+
+
+def _choice_index(payload: bytes) -> int:
+    """The index of a chunk's (only) choice; 0 when not found."""
+    match = _CHOICE_INDEX.search(payload)
+    return int(match.group(1)) if match is not None else 0
 
 
 def _merge_reasoning(payload: bytes) -> bytes:

@@ -156,6 +156,8 @@ class Crash:
         before: (engine prompt, engine generation, charged prompt, charged completion) before.
         engine_after: (engine prompt, engine generation) just before the kill, generation frozen
             (real engine only; the simulator is one process, its counters die with it).
+        charged_after: (charged prompt, charged completion) once the gateway settled the cut
+            stream, before anything else ran.
     """
 
     payloads: list[str]
@@ -164,6 +166,7 @@ class Crash:
     recovered: bool
     before: tuple[float, float, float, float]
     engine_after: tuple[float, float] | None
+    charged_after: tuple[float, float]
 
 
 @pytest.fixture(scope="module")
@@ -193,10 +196,12 @@ def crash(engine: LaunchedEngine, engine_gateway: Gateway) -> Crash:
         r = httpx.post(engine_gateway.url("/v1/chat/completions"), headers=AUTH, json=body)
         return r.status_code == 503 and int(r.headers.get("Retry-After", "0")) >= 1
 
+    assert wait_until(lambda: settled(engine_gateway), 10)
+    charged_after = (charged(engine_gateway, "prompt"), charged(engine_gateway, "completion"))
     was_refused = wait_until(refused, 10, 0.1)
     status = engine.restart()
     recovered = wait_ready(engine_gateway, 60) and chat_ok(engine_gateway)
-    return Crash(payloads, was_refused, status, recovered, before, engine_after)
+    return Crash(payloads, was_refused, status, recovered, before, engine_after, charged_after)
 
 
 def test_engine_killed_mid_stream_then_recovered(crash: Crash, engine_gateway: Gateway) -> None:
@@ -264,36 +269,20 @@ def _freeze_generation(engine: LaunchedEngine) -> None:
                     os.kill(int(entry), signal.SIGSTOP)
 
 
-ACCOUNTING_PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="a stream cut without usage is charged one completion token per streamed event (real "
-    "vLLM merges several tokens into one event), not the engine's count",
-)
-
-
-def _accounting_pending_on_real(request: pytest.FixtureRequest, engine: LaunchedEngine) -> None:
-    """The simulator sends one token an event (exact cut-off counts); real vLLM may not."""
-    if engine.kind == "real":
-        request.node.add_marker(ACCOUNTING_PENDING)
-
-
-# A client that leaves mid-stream: the engine keeps generating while its abort travels (the
-# gateway notices at its next write, then closes the engine connection), so it may count a few
-# tokens the gateway never received. Under load on 2 shared cores that was up to 2.
-ABORT_SLACK_TOKENS = 3
-
-
 def _assert_charged_like_the_engine(
-    gw: Gateway, before: tuple[float, ...], after_engine: tuple[float, ...], slack: float = 1
+    gw: Gateway,
+    before: tuple[float, ...],
+    after_engine: tuple[float, ...],
+    charged_after: tuple[float, float] | None = None,
 ) -> None:
     assert wait_until(lambda: settled(gw), 10)
-    prompt = charged(gw, "prompt") - before[2]
-    completion = charged(gw, "completion") - before[3]
+    if charged_after is None:
+        charged_after = (charged(gw, "prompt"), charged(gw, "completion"))
+    prompt = charged_after[0] - before[2]
+    completion = charged_after[1] - before[3]
     generated = after_engine[1] - before[1]
     prompted = after_engine[0] - before[0]
-    assert 0 <= generated - completion <= slack or abs(completion - generated) <= 1, (
-        f"charged {completion}, engine generated {generated}"
-    )
+    assert abs(completion - generated) <= 1, f"charged {completion}, engine generated {generated}"
     assert abs(prompt - prompted) <= 1, f"charged {prompt} prompt tokens, engine saw {prompted}"
 
 
@@ -307,10 +296,9 @@ def _counters(gw: Gateway, engine: LaunchedEngine) -> tuple[float, float, float,
 
 
 def test_client_gone_stream_is_charged_what_the_engine_generated(
-    engine: LaunchedEngine, engine_gateway: Gateway, request: pytest.FixtureRequest
+    engine: LaunchedEngine, engine_gateway: Gateway
 ) -> None:
     """Client gone mid-stream: tokens charged = the engine's generation counter delta (±1)."""
-    _accounting_pending_on_real(request, engine)
     assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
     before = _counters(engine_gateway, engine)
     with sse(engine_gateway, long_stream_body(engine)) as events:
@@ -323,17 +311,18 @@ def test_client_gone_stream_is_charged_what_the_engine_generated(
         engine_metric(engine, "vllm:generation_tokens_total"),
     )
     assert after[1] - before[1] >= 40
-    _assert_charged_like_the_engine(engine_gateway, before, after, slack=ABORT_SLACK_TOKENS)
+    _assert_charged_like_the_engine(engine_gateway, before, after)
 
 
 def test_engine_dropped_stream_is_charged_what_the_engine_generated(
-    engine: LaunchedEngine, engine_gateway: Gateway, crash: Crash, request: pytest.FixtureRequest
+    engine: LaunchedEngine, engine_gateway: Gateway, crash: Crash
 ) -> None:
     """Engine gone mid-stream: tokens charged = the engine's generation counter delta (±1)."""
-    _accounting_pending_on_real(request, engine)
     if engine.kind == "real":
         assert crash.engine_after is not None
-        _assert_charged_like_the_engine(engine_gateway, crash.before, crash.engine_after)
+        _assert_charged_like_the_engine(
+            engine_gateway, crash.before, crash.engine_after, crash.charged_after
+        )
         return
     # The simulator's counters die with it: let it drop the connection and live on instead.
     assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
@@ -346,4 +335,47 @@ def test_engine_dropped_stream_is_charged_what_the_engine_generated(
         engine_metric(engine, "vllm:prompt_tokens_total"),
         engine_metric(engine, "vllm:generation_tokens_total"),
     )
+    _assert_charged_like_the_engine(engine_gateway, before, after)
+
+
+DIALECT_STREAMS = {
+    "/v1/messages": {
+        "model": ALIAS,
+        "max_tokens": 200,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+    },
+    "/v1/responses": {
+        "model": ALIAS,
+        "max_output_tokens": 200,
+        "stream": True,
+        "input": "Tell me a story.",
+    },
+}
+
+
+@pytest.mark.parametrize("route", sorted(DIALECT_STREAMS))
+def test_dialect_stream_left_at_once_is_charged_what_the_engine_counted(
+    engine: LaunchedEngine, engine_gateway: Gateway, route: str
+) -> None:
+    """A Messages or Responses client that leaves at its first text delta: whether the engine
+    was cut or had finished, the tokens charged equal the engine's counter deltas (±1)."""
+    assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
+    before = _counters(engine_gateway, engine)
+    with (
+        httpx.Client(timeout=httpx.Timeout(60, connect=5)) as http,
+        http.stream(
+            "POST", engine_gateway.url(route), headers=AUTH, json=DIALECT_STREAMS[route]
+        ) as r,
+    ):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if '"type":"content_block_delta"' in line or '.delta"' in line:
+                break
+    assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
+    after = (
+        engine_metric(engine, "vllm:prompt_tokens_total"),
+        engine_metric(engine, "vllm:generation_tokens_total"),
+    )
+    assert after[0] > before[0]
     _assert_charged_like_the_engine(engine_gateway, before, after)

@@ -183,7 +183,10 @@ def test_c12_streams_count_against_tpm(
             assert r.json()["error"]["type"] == "tokens"
     assert statuses == [200, 200, 429, 429, 429]
     (first,) = records_for(sim, "c12-0")
-    assert first["body"]["stream_options"] == {"include_usage": True}
+    assert first["body"]["stream_options"] == {
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
     for i in (2, 3, 4):
         assert records_for(sim, f"c12-{i}") == []
 

@@ -109,11 +109,20 @@ def test_c09_extras_pass_through_untouched() -> None:
 
 
 def test_stream_usage_always_requested_upstream() -> None:
-    """Streams always ask the engine for usage; whether the client asked is remembered."""
+    """Streams always ask the engine for usage on every chunk; what the client asked is kept."""
+    both = {"include_usage": True, "continuous_usage_stats": True}
     p, out = plan({"messages": MESSAGES, "stream": True})
-    assert out["stream_options"] == {"include_usage": True} and not p.client_wants_usage
+    assert out["stream_options"] == both and not p.client_wants_usage
+    assert not p.client_wants_running_usage
     p, out = plan({"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}})
-    assert p.client_wants_usage
+    assert p.client_wants_usage and not p.client_wants_running_usage
+    assert out["stream_options"] == both
+    p, out = plan({"messages": MESSAGES, "stream": True, "stream_options": both})
+    assert p.client_wants_usage and p.client_wants_running_usage
+    # vLLM sends running usage only with include_usage: alone, the flag asks for nothing.
+    only = {"continuous_usage_stats": True}
+    p, out = plan({"messages": MESSAGES, "stream": True, "stream_options": only})
+    assert not p.client_wants_usage and not p.client_wants_running_usage
 
 
 def test_c12_non_stream_never_carries_stream_options() -> None:

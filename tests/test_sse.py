@@ -159,3 +159,88 @@ def test_non_stream_body_rewrite() -> None:
         "model": "alias",
         "choices": [{"message": {"content": "a", "reasoning_content": "r"}}],
     }
+
+
+# ------------------------------------------------------------------- running usage (every chunk)
+# Real vLLM 0.32 bytes: the same answer asked with include_usage alone, and with
+# continuous_usage_stats too (usage on every chunk, reasoning_tokens nested).
+_HEAD = b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+PLAIN = [
+    _HEAD
+    + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}',
+    _HEAD
+    + b'"delta":{"reasoning":"Okay"},"logprobs":null,"finish_reason":null,"token_ids":null}]}',
+    _HEAD
+    + b'"delta":{"content":"\\n\\nHello \\"usage\\":{"},"logprobs":null,"finish_reason":null,"token_ids":null}]}',
+    _HEAD
+    + b'"delta":{},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null}]}',
+]
+RUNNING = [
+    b'"usage":{"prompt_tokens":14,"total_tokens":14,"completion_tokens":0,"completion_tokens_details":{"reasoning_tokens":0}}',
+    b'"usage":{"prompt_tokens":14,"total_tokens":15,"completion_tokens":1,"completion_tokens_details":{"reasoning_tokens":1}}',
+    b'"usage":{"prompt_tokens":14,"total_tokens":18,"completion_tokens":4,"completion_tokens_details":{"reasoning_tokens":1}}',
+    b'"usage":{"prompt_tokens":14,"total_tokens":19,"completion_tokens":5,"completion_tokens_details":{"reasoning_tokens":1}}',
+]
+FINAL_USAGE = b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":14,"total_tokens":19,"completion_tokens":5,"completion_tokens_details":{"reasoning_tokens":1}},"system_fingerprint":"vllm-0.32.0"}'
+
+
+def with_running_usage(plain: bytes, usage: bytes) -> bytes:
+    """Where vLLM puts the running usage: right after ``choices``."""
+    at = plain.index(b"}]") + 2
+    return plain[:at] + b"," + usage + plain[at:]
+
+
+CONTINUOUS = [with_running_usage(p, u) for p, u in zip(PLAIN, RUNNING, strict=True)]
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 97])
+def test_running_usage_cut_out_byte_exactly_for_a_client_that_did_not_ask(size: int) -> None:
+    """Usage on every chunk is observed and cut out: the client gets the very bytes vLLM sends
+    without continuous_usage_stats (any read size, one or many events a read)."""
+    expected = run(relay(), [frame([*PLAIN, FINAL_USAGE])])
+    raw = frame([*CONTINUOUS, FINAL_USAGE])
+    pieces = [raw] if size == 0 else [raw[i : i + size] for i in range(0, len(raw), size)]
+    r = relay()
+    assert run(r, pieces) == expected
+    assert b'"usage"' not in expected.replace(b'\\"usage\\"', b"")
+    assert r.state.running is not None and r.state.running.prompt_tokens == 14
+    assert r.state.usage is not None and r.state.usage.completion_tokens == 5
+
+
+def test_running_usage_kept_for_a_client_that_asked_for_it() -> None:
+    """A client that asked include_usage and continuous_usage_stats gets every chunk as sent."""
+    r = SseRelay("m", "m", client_wants_usage=True, client_wants_running_usage=True)
+    out = run(r, [frame([*CONTINUOUS, FINAL_USAGE])])
+    events = client_events(out)
+    assert events[:4] == [e.replace(b'"reasoning":', b'"reasoning_content":') for e in CONTINUOUS]
+    assert events[4] == FINAL_USAGE and events[5] == b"[DONE]"
+
+
+def test_include_usage_alone_gets_only_the_final_usage_chunk() -> None:
+    """A client that asked include_usage alone: running usage cut out, the final chunk kept."""
+    out = run(relay(wants_usage=True), [frame([*CONTINUOUS, FINAL_USAGE])])
+    expected = run(relay(wants_usage=True), [frame([*PLAIN, FINAL_USAGE])])
+    assert out == expected and client_events(out)[-2] == FINAL_USAGE
+
+
+def test_cut_stream_keeps_what_was_streamed() -> None:
+    """A stream cut before its usage chunk: the running usage is what was streamed (the last
+    chunk's counts), not the number of events, and no final usage is claimed."""
+    r = relay()
+    run(r, [frame(CONTINUOUS[:3], done=False)])
+    assert r.state.usage is None and r.state.running is not None
+    assert (r.state.running.prompt_tokens, r.state.running.completion_tokens) == (14, 4)
+    assert r.state.running.reasoning_tokens == 1 and r.state.content_events == 2
+
+
+def test_running_usage_is_summed_over_choices() -> None:
+    """n=2: vLLM's running usage counts each choice's own tokens; the streamed total sums the
+    last count of each choice."""
+    first = with_running_usage(PLAIN[2], RUNNING[2])
+    second = first.replace(b'"choices":[{"index":0,', b'"choices":[{"index":1,').replace(
+        b'"completion_tokens":4', b'"completion_tokens":2'
+    )
+    r = SseRelay("m", "m", client_wants_usage=False, n=2)
+    out = run(r, [frame([CONTINUOUS[0], first, second], done=False)])
+    assert b'"usage"' not in out.replace(b'\\"usage\\"', b"")
+    assert r.state.running is not None and r.state.running.completion_tokens == 6

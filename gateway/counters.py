@@ -1,0 +1,177 @@
+"""The engine's own token counters around one request: the exact charge of a request cut short.
+
+A stream cut short (the client gone, the engine dropped, a drain, a time limit) has no final
+usage. The running usage on each chunk (`gateway.sse.RunningUsage`) says what was *streamed*;
+the engine generated more: it goes on generating, and counting, tokens its API server has not
+streamed yet until the abort lands. While the gateway holds the engine's only slot
+(``engine.max_concurrency = 1``, the default) the engine's cumulative counters are the
+request's own, so reading them before the request is sent and again once the abort has landed
+gives exactly what it generated:
+
+- ``vllm:generation_tokens_total`` and ``vllm:prompt_tokens_total`` (vLLM docs, "Production
+  Metrics"), read from the engine's ``/metrics`` over its socket (`Upstream.metrics_text`);
+- "landed": ``vllm:num_requests_running`` plus ``vllm:num_requests_waiting`` is 0 and the
+  counters are unchanged over two reads at least `SETTLE_MIN_S` after the cut (vLLM stops
+  counting a request's tokens when its API server aborts it, before the engine core reports it
+  no longer running), or `SETTLE_BOUND_S` passed (then the latest reading, still at least what
+  was streamed).
+
+The counters are not the request's own when the engine restarted in between (they start
+again from 0: a counter lower than before, another ``vllm:generation_tokens_created``) or did
+not answer; the caller then falls back to the streamed usage. With ``max_concurrency > 1`` no
+baseline is taken: several requests share the counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.upstream import Upstream
+
+SETTLE_BOUND_S = 2.0
+"""Longest wait after a cut for the engine's abort to land (the slot stays held meanwhile)."""
+SETTLE_MIN_S = 0.1
+"""Shortest wait after a cut: the engine's API server has noticed the closed connection."""
+SETTLE_POLL_S = 0.02
+"""Pause between two reads of the engine's /metrics while waiting for the abort."""
+BASELINE_TIMEOUT_S = 0.5
+"""Longest wait for the engine's /metrics before a request is sent (then no baseline)."""
+
+_NAMES = {
+    b"vllm:prompt_tokens_total": "prompt",
+    b"vllm:generation_tokens_total": "generation",
+    b"vllm:num_requests_running": "busy",
+    b"vllm:num_requests_waiting": "busy",
+    b"vllm:generation_tokens_created": "created",
+}
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """One reading of the engine's counters.
+
+    Attributes:
+        prompt_tokens: ``vllm:prompt_tokens_total`` summed over engines (tokens).
+        generation_tokens: ``vllm:generation_tokens_total`` summed over engines (tokens).
+        busy: ``vllm:num_requests_running`` plus ``vllm:num_requests_waiting`` (requests).
+        created: ``vllm:generation_tokens_created``, when the counter was created (Unix
+            seconds; a restarted engine has a later one), or None when not exported.
+    """
+
+    prompt_tokens: float
+    generation_tokens: float
+    busy: float
+    created: float | None = None
+
+    def same_engine(self, before: EngineCounters) -> bool:
+        """False when the engine restarted since ``before`` (counters start again from 0)."""
+        if self.created != before.created:
+            return False
+        return (
+            self.prompt_tokens >= before.prompt_tokens
+            and self.generation_tokens >= before.generation_tokens
+        )
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The counters before a request that holds the engine's only slot.
+
+    Attributes:
+        counters: the reading.
+        grants: `gateway.admission.AdmissionQueue.grants` then; another grant before the
+            request ends means the engine was shared and the delta is not its own.
+    """
+
+    counters: EngineCounters
+    grants: int
+
+
+@dataclass(frozen=True)
+class Generated:
+    """Tokens the engine counted between two readings (prompt, generated)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def parse_counters(text: str) -> EngineCounters | None:
+    """The counters in a Prometheus text exposition, or None when a token counter is missing.
+
+    Only the few sample lines needed are read (``name{labels} value``), by their prefix: a
+    real vLLM scrape has some 70 families and is read on every request.
+    """
+    values = {"prompt": 0.0, "generation": 0.0, "busy": 0.0}
+    found: set[str] = set()
+    created: float | None = None
+    for line in text.encode().splitlines():
+        if not line or line[0] not in b"vp":
+            continue
+        end = line.find(b"{")
+        if end < 0:
+            end = line.find(b" ")
+        key = _NAMES.get(line[:end])
+        if key is None:
+            continue
+        try:
+            value = float(line.rsplit(b" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if key == "created":
+            created = value if created is None else max(created, value)
+            continue
+        values[key] += value
+        found.add(key)
+    if "prompt" not in found or "generation" not in found:
+        return None
+    return EngineCounters(values["prompt"], values["generation"], values["busy"], created)
+
+
+async def read_counters(upstream: Upstream, timeout: float) -> EngineCounters | None:
+    """The engine's counters now, None when it did not answer in ``timeout`` seconds."""
+    text = await upstream.metrics_text(timeout=timeout)
+    return parse_counters(text) if text is not None else None
+
+
+async def settled_counters(
+    upstream: Upstream,
+    before: EngineCounters,
+    *,
+    bound_s: float = SETTLE_BOUND_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> EngineCounters | None:
+    """The engine's counters once the abort of a cut request has landed (see the module doc).
+
+    Returns None when the engine did not answer or restarted since ``before``; after
+    ``bound_s`` seconds the latest reading, even if the engine still reports work.
+    """
+    began = clock()
+    deadline = began + bound_s
+    previous: EngineCounters | None = None
+    while True:
+        left = deadline - clock()
+        now = await read_counters(upstream, timeout=max(0.05, min(1.0, left)))
+        if now is None or not now.same_engine(before):
+            return None
+        stable = (
+            previous is not None
+            and previous.busy == 0
+            and now.busy == 0
+            and previous.prompt_tokens == now.prompt_tokens
+            and previous.generation_tokens == now.generation_tokens
+        )
+        if (stable and clock() - began >= SETTLE_MIN_S) or clock() >= deadline:
+            return now
+        previous = now
+        await asyncio.sleep(SETTLE_POLL_S)
+
+
+def generated(before: EngineCounters, after: EngineCounters) -> Generated:
+    """Tokens counted from ``before`` to ``after`` (same engine, `EngineCounters.same_engine`)."""
+    return Generated(
+        prompt_tokens=max(0, round(after.prompt_tokens - before.prompt_tokens)),
+        completion_tokens=max(0, round(after.generation_tokens - before.generation_tokens)),
+    )

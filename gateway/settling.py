@@ -1,0 +1,123 @@
+"""The end of a model call: its usage made final (exact for a request cut short), its engine slot
+given back, its tokens counted and its limits and quotas settled, whatever ended it.
+
+`take_baseline` reads the engine's counters before a request that holds the engine's only slot;
+`release_ticket` waits, for a request cut short, until the engine's abort has landed and charges
+the counter delta (`gateway.counters`), then frees the slot; `settle` asks the engine for its
+own prompt count of a cut request whose prompt count the engine never reported (after the slot
+is free), counts the settled tokens and settles the rate limits and quotas. Both run to their
+end even when the client hangs up meanwhile (`run_to_end`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from gateway.admission import Ticket
+from gateway.counters import (
+    BASELINE_TIMEOUT_S,
+    Baseline,
+    generated,
+    read_counters,
+    settled_counters,
+)
+from gateway.state import (
+    ACCOUNTING,
+    ADMISSION,
+    ENGINE_STATE,
+    LIMITER,
+    METRICS,
+    UPSTREAM,
+    ModelCall,
+)
+
+PROMPT_COUNT_TIMEOUT_S = 2.0
+"""Longest wait for the engine's prompt count of a request cut before its usage arrived."""
+
+
+async def run_to_end(work: Coroutine[Any, Any, None]) -> None:
+    """Await ``work`` to its end even if the handler is cancelled meanwhile (the client went
+    away): slots, limits, quotas and the usage record must not depend on when the client hangs
+    up. The cancellation is passed on once ``work`` is done."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
+
+
+async def release_ticket(request: web.Request, call: ModelCall, ticket: Ticket) -> None:
+    """Give the engine slot back, charging the tenant's fair share what was used (not the
+    reservation).
+
+    A request cut short while it held the engine's only slot keeps the slot until the engine's
+    abort has landed (at most `gateway.counters.SETTLE_BOUND_S`), then is charged its counter
+    delta (`gateway.counters`): releasing it earlier would let the next request share the
+    engine and spoil the delta. The client is gone or has its last byte by then. A cut request
+    whose prompt count the engine never reported is charged its prompt estimate here; its usage
+    is made final by `settle`, once the slot is free.
+    """
+    assert call.plan is not None
+    usage = call.usage
+    try:
+        baseline = call.baseline
+        if baseline is not None and usage.cut and not usage.settled:
+            after = await settled_counters(request.app[UPSTREAM], baseline.counters)
+            if after is not None and request.app[ADMISSION].grants == baseline.grants:
+                usage.generated = generated(baseline.counters, after)
+    finally:
+        if needs_prompt_count(call):
+            ticket.release(call.plan.prompt_estimate + usage.completion_so_far())
+        else:
+            ticket.release(sum(usage.settle(call.plan.prompt_estimate, call.plan.n)))
+
+
+def needs_prompt_count(call: ModelCall) -> bool:
+    """A call cut short without any prompt count from the engine (no usage streamed, no
+    counter delta), not settled yet."""
+    assert call.plan is not None
+    usage = call.usage
+    return usage.cut and not usage.settled and usage.engine_prompt(call.plan.n) is None
+
+
+async def take_baseline(request: web.Request, call: ModelCall) -> None:
+    """Read the engine's counters before sending ``call``, when it holds the engine's only slot
+    (``engine.max_concurrency = 1`` and no other request at the engine); else none is taken
+    and a cut is charged its streamed usage (`gateway.state.Usage.settle`)."""
+    call.baseline = None
+    admission = request.app[ADMISSION]
+    if admission.max_concurrency != 1 or admission.in_flight != 1:
+        return
+    grants = admission.grants
+    counters = await read_counters(request.app[UPSTREAM], timeout=BASELINE_TIMEOUT_S)
+    if counters is not None and counters.busy == 0:
+        call.baseline = Baseline(counters, grants)
+
+
+async def settle(request: web.Request, call: ModelCall) -> None:
+    """Make the usage final, count the tokens of a call that reached the engine, settle limits
+    and quotas.
+
+    A call cut short without any prompt count from the engine asks the engine for its own count
+    of the prompt (`Upstream.count_prompt`, while the engine is up); the estimate stands
+    otherwise.
+    """
+    assert call.plan is not None and call.reservation is not None
+    usage = call.usage
+    if needs_prompt_count(call) and request.app[ENGINE_STATE].ready:
+        usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
+            call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
+        )
+    prompt, completion = usage.settle(call.plan.prompt_estimate, call.plan.n)
+    if usage.reached_engine:
+        metrics = request.app[METRICS]
+        metrics.tokens.labels(call.caller.label, "prompt").inc(prompt)
+        metrics.tokens.labels(call.caller.label, "completion").inc(completion)
+    await request.app[LIMITER].settle(call.reservation, prompt + completion)
+    if call.quota is not None:
+        await request.app[ACCOUNTING].settle(call.quota, prompt + completion)
