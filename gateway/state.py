@@ -119,7 +119,7 @@ class Usage:
         source: after `settle`, where the counts came from: ``engine`` (the final usage),
             ``counters`` (the counter delta), ``streamed`` (the running usage), ``estimate``
             (prompt estimate or count, one token a content event), ``none`` (never reached
-            the engine).
+            the engine), ``rejected`` (refused by the engine with an error status).
         settled: `settle` ran; the counts are final.
     """
 
@@ -168,7 +168,8 @@ class Usage:
         """Make the counts final (once; later calls return the same); returns (prompt,
         completion) tokens to charge.
 
-        A request that never reached the engine costs nothing; a complete one its final usage.
+        A request that never reached the engine, or that the engine refused with an error
+        status, costs nothing; a complete one its final usage.
         One cut short is charged, completion: the engine's counter delta when measured and at
         least what was streamed, else the streamed running usage (an undercharge bounded by
         what the engine generated after the last streamed chunk), else one token per content
@@ -180,6 +181,10 @@ class Usage:
             return self.prompt_tokens or 0, self.completion_tokens or 0
         if not self.reached_engine:
             self.prompt_tokens, self.completion_tokens, self.source = 0, 0, "none"
+        elif self.rejected:
+            # The engine refused it before any prefill (its 4xx/5xx status came first): no
+            # token was computed, whatever the prompt's size (an over-long prompt included).
+            self.prompt_tokens, self.completion_tokens, self.source = 0, 0, "rejected"
         elif not self.cut:
             self.source = "engine"
             if self.prompt_tokens is None:

@@ -210,6 +210,25 @@ async def test_engine_4xx_passes_through_with_its_status_and_message(stack: Stac
     assert sample(stack, "gateway_upstream_errors_total", kind="status_5xx") == 0
 
 
+async def test_engine_refusal_is_charged_nothing(stack: Stack) -> None:
+    """A request the engine refuses with an error status (here a 20,000-word prompt) costs no
+    tokens: not in the metrics, not against the tenant's token budget, not in the usage."""
+    seen = finished(stack)
+    huge = [{"role": "user", "content": "word " * 20000}]
+    body = chat_body(messages=huge, chat_template="x")  # the engine's 400, after the limits
+    r = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    assert r.status == 400
+    call = seen[-1].call
+    assert call is not None and call.usage.source == "rejected"
+    assert (call.usage.prompt_tokens, call.usage.completion_tokens) == (0, 0)
+    assert sample(stack, "gateway_tokens_total", tenant="acme", type="prompt") == 0
+    r = await stack.client.post(CHAT, json=chat_body(max_tokens=1), headers=AUTH_A)
+    assert r.status == 200
+    limit = int(r.headers["x-ratelimit-limit-tokens"])
+    remaining = int(r.headers["x-ratelimit-remaining-tokens"])
+    assert limit - remaining < 1000
+
+
 async def test_engine_503_is_503_and_counted(stack: Stack) -> None:
     """An engine that answers 503 makes a 503 with Retry-After, counted as ``status_5xx``."""
     r = await stack.client.post(CHAT, json=chat_body(sim={"refuse": "503"}), headers=AUTH_A)
