@@ -13,8 +13,10 @@ Shapes are those of the ``openai`` SDK's ``ResponseStreamEvent`` and ``Response`
 built as plain JSON here and checked against the SDK models in the tests.
 
 Usage: ``input_tokens`` / ``output_tokens`` are the engine's counts; ``output_tokens_details.
-reasoning_tokens`` is the engine's figure when it reports one, else the number of reasoning
-deltas (one token each on this engine), ``input_tokens_details.cached_tokens`` the engine's.
+reasoning_tokens`` is the engine's figure when it reports one, else ``output_tokens`` shared in
+proportion to the characters of reasoning against all output text (vLLM merges several tokens
+into one event, and a non-streamed answer is one event, so events are no measure),
+``input_tokens_details.cached_tokens`` the engine's.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ class ResponsesWriter:
         self._pending_ws = ""
         self._calls: dict[int, int] = {}
         self._finish: Finish | None = None
-        self._reasoning_deltas = 0
         self.error: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ event production
@@ -182,7 +183,6 @@ class ResponsesWriter:
             out = self._add_item("reasoning", item, {"type": "reasoning_text", "text": ""})
         index = len(self.output) - 1
         self.output[index]["content"][0]["text"] += text
-        self._reasoning_deltas += 1
         return out + self._emit(
             "response.reasoning_text.delta",
             {
@@ -260,7 +260,7 @@ class ResponsesWriter:
             return None
         reasoning = self.usage.reasoning_tokens
         if reasoning is None:
-            reasoning = min(self._reasoning_deltas, self.usage.completion_tokens)
+            reasoning = self._reasoning_share(self.usage.completion_tokens)
         return {
             "input_tokens": self.usage.prompt_tokens,
             "input_tokens_details": {
@@ -271,6 +271,20 @@ class ResponsesWriter:
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": self.usage.prompt_tokens + self.usage.completion_tokens,
         }
+
+    def _reasoning_share(self, completion_tokens: int) -> int:
+        """``completion_tokens`` times the reasoning's share of the output's characters."""
+        reasoning = other = 0
+        for item in self.output:
+            if item["type"] == "reasoning":
+                reasoning += sum(len(part["text"]) for part in item["content"])
+            elif item["type"] == "message":
+                other += sum(len(part.get("text", "")) for part in item["content"])
+            elif item["type"] == "function_call":
+                other += len(item["name"]) + len(item["arguments"])
+        if reasoning == 0:
+            return 0
+        return min(completion_tokens, round(completion_tokens * reasoning / (reasoning + other)))
 
     def _conclude(self) -> None:
         self._close_item()
