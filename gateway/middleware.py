@@ -57,6 +57,19 @@ def _route(request: web.Request) -> tuple[str, str]:
     return canonical, canonical if canonical in ROUTES else "other"
 
 
+def _dialect(app: web.Application, request: web.Request, template: str) -> Dialect | None:
+    """The client API a request speaks: its route's, or for an unknown path or method under a
+    model route (``GET /v1/messages``, ``/v1/messages/x``) the API of that route, so its 401,
+    404 or 405 comes in that API's shape and takes its credential header."""
+    dialects = app[DIALECTS]
+    dialect = dialects.get(template)
+    if dialect is not None:
+        return dialect
+    path = request.path
+    prefixes = [t for t in dialects if path == t or path.startswith(t + "/")]
+    return dialects[max(prefixes, key=len)] if prefixes else None
+
+
 @web.middleware
 async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Make the `RequestContext`; at the end log the access line and count the request once.
@@ -77,7 +90,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         live=live,
         client_request_id=client_id,
     )
-    dialect = app[DIALECTS].get(template)
+    dialect = _dialect(app, request, template)
     if dialect is not None:
         context.dialect = dialect
     request[CONTEXT] = context
@@ -250,7 +263,7 @@ async def expect_continue(request: web.Request) -> None:
     if app[DRAIN].draining:
         return
     template, _ = _route(request)
-    dialect = app[DIALECTS].get(template, CHAT)
+    dialect = _dialect(app, request, template) or CHAT
     try:
         live.auth.authenticate(credential(request, dialect))
     except GatewayError:

@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 
 from gateway.state import ADMISSION, FINISH_HOOKS, METRICS, RELOADER, RequestContext
 from tests.clock import FakeClock
-from tests.conftest import ALIAS, KEY_B
+from tests.conftest import ALIAS, KEY_A, KEY_B
 from tests.inprocess import (
     AUTH_A,
     Stack,
@@ -407,3 +407,24 @@ async def test_a_reload_never_changes_a_queued_request(aiohttp_client: Any) -> N
         await first.read()
         answer = await second
         assert answer.status == 200 and (await answer.json())["model"] == ALIAS
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "kind"),
+    [
+        ("GET", "/v1/messages", 405, "invalid_request_error"),
+        ("POST", "/v1/messages/unknown", 404, "not_found_error"),
+    ],
+)
+async def test_unknown_messages_paths_speak_anthropic(
+    stack: Stack, method: str, path: str, status: int, kind: str
+) -> None:
+    """Under /v1/messages an unknown path or method takes the x-api-key credential and answers
+    in Anthropic's envelope; a bad x-api-key there is Anthropic's authentication_error."""
+    r = await stack.client.request(method, path, headers={"x-api-key": KEY_A})
+    body = await r.json()
+    assert r.status == status and body["type"] == "error"
+    assert body["error"]["type"] == kind
+    r = await stack.client.request(method, path, headers={"x-api-key": "sk-wrong"})
+    body = await r.json()
+    assert r.status == 401 and body["error"]["type"] == "authentication_error"
