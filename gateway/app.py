@@ -23,6 +23,7 @@ from gateway.config import Settings
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
+from gateway.engine_watch import check_drift, poll_health
 from gateway.handlers import get_model, health, list_models, ready, usage
 from gateway.keys_file import load_keys_file
 from gateway.limiter import create_rate_limiter
@@ -64,7 +65,7 @@ from gateway.state import (
     LiveRef,
     build_live,
 )
-from gateway.upstream import EngineState, EngineStatus, Upstream, check_drift, poll_health
+from gateway.upstream import EngineState, EngineStatus, Upstream
 
 
 def create_app(

@@ -112,7 +112,7 @@ class EngineSettings:
     engine's ``vllm:num_requests_running`` (drift is logged).
     ``unhealthy_after_s``: how long ``/health`` probes must keep timing out (or failing without
     an answer) before a ready engine is marked down; a refused connection, a missing socket or a
-    non-200 answer marks it down at once (`gateway.upstream.poll_health`). Default 10 s: three
+    non-200 answer marks it down at once (`gateway.engine_watch.poll_health`). Default 10 s: three
     failed probes at the default 2 s interval, well above a loaded engine's slow ``/health``.
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
     headers and ``: queued`` SSE comments while it waits.

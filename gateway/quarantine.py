@@ -10,7 +10,7 @@ nothing about the content.
 
 A death counts for a request only when both hold: its own engine connection failed (dropped
 mid-request, reset, or dropped before the answer's headers; a client leaving, a time limit or a
-clean end is not a failure) and the engine proved down (`gateway.upstream.poll_health`: a
+clean end is not a failure) and the engine proved down (`gateway.engine_watch.poll_health`: a
 refused or missing socket, a non-200 ``/health``, or probes failing for
 ``engine.unhealthy_after_s``). The order does not matter: a request whose connection failed up
 to `DROP_GRACE_S` plus two health intervals plus ``engine.unhealthy_after_s`` before the engine

@@ -4,15 +4,14 @@ Everything the gateway knows about talking to the engine lives here: `Upstream` 
 and returns an `UpstreamAnswer` (its chunks, its body, abort, release); every aiohttp client
 failure is translated here into a `gateway.errors.UpstreamError` and counted once in
 ``gateway_upstream_errors_total`` (labelled with the error's ``kind``); a non-200 answer becomes
-its error by `engine_error`. The engine's health (`EngineState`, `poll_health`) and the drift
-check between admitted and running requests (`check_drift`, `engine_running`) live here too.
+its error by `engine_error`. The engine's state (`EngineState`) lives here too; the tasks that
+watch it (the health poller, the drift check) are in `gateway.engine_watch`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import time
 from collections.abc import Callable
@@ -20,7 +19,6 @@ from typing import Any, Literal
 
 import aiohttp
 import structlog
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import EngineSettings
 from gateway.errors import (
@@ -402,87 +400,3 @@ def engine_error(status: int, body: bytes) -> GatewayError:
     if status >= 500:
         return EngineFailed()
     return EngineBadResponse()
-
-
-async def poll_health(
-    upstream: Upstream, state: EngineState, settings: Callable[[], EngineSettings]
-) -> None:
-    """Probe the engine's /health every ``engine.health_interval_s`` seconds, forever.
-
-    The rule for ``down``: a probe whose failure `proves_down` (socket missing or refusing, a
-    non-200 answer) marks the engine down at once. Any other failure (a timeout, a dropped
-    probe) marks a ready or warming engine down only when probes have kept failing, with no
-    success between, for ``engine.unhealthy_after_s`` seconds counted from the start of the
-    first failed probe, and at least two of them: a single slow probe never does. Until then
-    each failure is logged as ``engine_probe_failed`` and the state is kept. Each probe waits
-    ``max(1, engine.health_interval_s)`` seconds. ``settings`` returns the live ``[engine]``
-    table (a reload changes the interval and the threshold).
-    """
-    failing_since: float | None = None
-    failures = 0
-    while True:
-        engine = settings()
-        started = time.monotonic()
-        status, error = await upstream.health(timeout=max(1.0, engine.health_interval_s))
-        if status == "ready" and engine.ready_file and not os.path.exists(engine.ready_file):
-            status = "warming"
-        if status != "down" or proves_down(error) or state.status not in ("ready", "warming"):
-            failing_since, failures = None, 0
-        else:
-            failing_since = started if failing_since is None else failing_since
-            failures += 1
-            failing_s = time.monotonic() - failing_since
-            if failures < 2 or failing_s < engine.unhealthy_after_s:
-                log.warning(
-                    "engine_probe_failed", error=error, failures=failures, failing_s=failing_s
-                )
-                await asyncio.sleep(engine.health_interval_s)
-                continue
-        if status == "down" and state.status == "starting":
-            status = "starting"
-        state.set(status, error)
-        await asyncio.sleep(engine.health_interval_s)
-
-
-def engine_running(text: str) -> float | None:
-    """``vllm:num_requests_running`` summed over engines, from a Prometheus exposition text.
-
-    Raises:
-        ValueError: the text is not the Prometheus text format.
-    """
-    total = None
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:num_requests_running":
-            total = sum(sample.value for sample in family.samples)
-    return total
-
-
-async def check_drift(
-    upstream: Upstream,
-    state: EngineState,
-    in_flight: Callable[[], int],
-    interval_s: Callable[[], float],
-) -> None:
-    """Compare the gateway's in-flight count with the engine's running requests; log drift.
-
-    The engine running more requests than the gateway admitted means generations nobody waits
-    for (an abort that did not reach the engine); fewer, for two checks in a row, means a slot
-    the gateway never released. Both are logged as ``inflight_drift`` for the operator.
-    """
-    previous = 0.0
-    while True:
-        await asyncio.sleep(interval_s())
-        if not state.ready:
-            continue
-        text = await upstream.metrics_text(timeout=5.0)
-        try:
-            running = engine_running(text) if text is not None else None
-        except ValueError:
-            continue
-        if running is None:
-            continue
-        admitted = in_flight()
-        drift = admitted - running
-        if drift and previous and (drift > 0) == (previous > 0):
-            events.warning("inflight_drift", gateway_in_flight=admitted, engine_running=running)
-        previous = drift

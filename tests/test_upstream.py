@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from gateway.config import EngineSettings
+from gateway.engine_watch import check_drift, engine_running, poll_health
 from gateway.errors import (
     EngineBadResponse,
     EngineBusy,
@@ -22,14 +23,7 @@ from gateway.errors import (
     GatewayTimeout,
 )
 from gateway.metrics import Metrics
-from gateway.upstream import (
-    EngineState,
-    Upstream,
-    check_drift,
-    engine_error,
-    engine_running,
-    poll_health,
-)
+from gateway.upstream import EngineState, Upstream, engine_error
 from tests.clock import FakeClock
 from tests.inprocess import ENGINE_MODEL, SimServer, short_tempdir, start_sim, until
 
