@@ -120,15 +120,16 @@ def chat_ok(gw: Gateway) -> bool:
 def test_client_leaving_mid_stream_stops_the_engine(
     engine: LaunchedEngine, engine_gateway: Gateway
 ) -> None:
-    """A client that leaves mid-stream: the engine stops generating within 1 s."""
+    """A client that leaves mid-stream: the engine stops generating within 1 s, well before the
+    answer's end."""
     assert wait_until(lambda: engine_idle(engine), 10)
+    before = engine_metric(engine, "vllm:generation_tokens_total")
     with sse(engine_gateway, long_stream_body(engine)) as events:
-        for count, _ in enumerate(events, 1):
-            if count == 20:
-                break
-        # vLLM refreshes its gauges from the engine's scheduler stats, a step or so behind.
-        running = lambda: engine_metric(engine, "vllm:num_requests_running") == 1  # noqa: E731
-        assert wait_until(running, 3, 0.05)
+        # The first content event, then leave: on an idle machine the tiny model outruns the
+        # relay (all of a 6,000-token answer can be generated before 20 events arrive), so the
+        # client leaves early and the proof of the abort is the answer left unfinished.
+        for _ in events:
+            break
     left = time.monotonic()
     idle_at = None
     while time.monotonic() - left < ABORT_WITHIN_S + 5:
@@ -144,6 +145,7 @@ def test_client_leaving_mid_stream_stops_the_engine(
     generated = engine_metric(engine, "vllm:generation_tokens_total")
     time.sleep(0.5)
     assert engine_metric(engine, "vllm:generation_tokens_total") == generated
+    assert generated - before < LONG_TOKENS, "the engine finished the answer: no abort seen"
     assert wait_until(lambda: settled(engine_gateway), 5)
     assert engine_gateway.metric("gateway_client_disconnects_total") >= 1
     assert chat_ok(engine_gateway)
