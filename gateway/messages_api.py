@@ -122,7 +122,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         parse_body(raw), max_model_len=settings.engine.max_model_len, count_only=True
     )
     model = translated.chat.get("model")
-    if not isinstance(model, str) or not settings.model.accepts(model):
+    if model is not None and (not isinstance(model, str) or not settings.model.accepts(model)):
         raise ModelNotFound(str(model))
     thinking = resolve_thinking(translated.chat, settings, caller.tenant)
     state = app[ENGINE_STATE]
