@@ -27,6 +27,8 @@ from gateway.ceiling import completion_ceiling, json_ceiling, string_ceiling
 from gateway.config import TenantSettings, parse_settings
 from gateway.rewrite import estimate_prompt_tokens, plan_request
 
+pytestmark = pytest.mark.fast
+
 MODEL_SOURCE = Path(__file__).parent / "realengine" / "model.py"
 SETTINGS = parse_settings({"engine": {"max_model_len": 10_000_000}})
 TENANT = TenantSettings(name="acme", max_tokens=16)
@@ -198,7 +200,7 @@ MESSAGE = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     messages=st.lists(MESSAGE, min_size=1, max_size=6),
     tools=st.lists(TOOL, max_size=4),
