@@ -213,6 +213,23 @@ def _closed_port() -> int:
     return free_port()
 
 
+def test_rpm_limit_is_exact_across_two_gateways(
+    redis_url: str, sim_factory: Any, gateway_factory: Any
+) -> None:
+    """A tenant's rpm of 5 shared through Redis: 12 requests alternating between two gateways
+    get exactly 5 answers and 7 429s."""
+    gws = []
+    for name in ("la", "lb"):
+        cfg = {
+            "fleet": fleet(redis_url, name),
+            "ratelimit": {"backend": "redis", "redis_url": redis_url},
+            "tenants": {"acme": {"rpm": 5}},
+        }
+        gws.append(gateway_factory(sim_factory(name=f"engine-{name}"), cfg, name=name))
+    statuses = [chat(gws[i % 2].base_url, KEY_A, f"r{i}").status_code for i in range(12)]
+    assert statuses.count(200) == 5 and statuses.count(429) == 7, statuses
+
+
 # ----------------------------------------------------------------------------- revocation
 
 
