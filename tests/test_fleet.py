@@ -33,6 +33,9 @@ from tests.fleet_services import HAPROXY, HAPROXY_CFG, PG_BIN, Postgres, haproxy
 from tests.test_quarantine import Restarter
 from tests.test_ratelimit_redis import REDIS_SERVER, RedisServer
 
+# Minutes, mostly waiting for processes (tests/README.md, "Layers").
+pytestmark = pytest.mark.slow(200)
+
 SALT = "QWEN38_CACHE_SALT_SECRET=fleet-test-salt-secret-0123456789abcdef\n"
 
 
