@@ -305,6 +305,7 @@ def test_c29_request_ids_shaped_like_encoded_credentials_are_replaced(
     assert r.headers["x-request-id"] != supplied
 
 
+@pytest.mark.fast
 def test_c29_quoting_rules() -> None:
     """`quotable` keeps short plain values only; engine messages keep a short prefix of what they quote and no credential."""
     assert quotable("user") == "user"
@@ -340,6 +341,7 @@ def test_c31_prompt_too_long_states_the_counted_prompt(
     assert r.json()["error"]["message"] == f"prompt is too long: {prompt} tokens > 2048 maximum"
 
 
+@pytest.mark.fast
 def test_c31_overflow_wordings_are_true() -> None:
     """Each overflow states an inequality that holds: the prompt alone over the context, the prompt plus the output budget over it, or a lower bound said as one."""
     cases = {
@@ -391,6 +393,7 @@ def test_c31_requests_that_cannot_be_honoured_are_refused(
     assert engine_calls(gw) == before
 
 
+@pytest.mark.fast
 def test_c31_what_can_be_honoured_still_is() -> None:
     """allowed_tools keeps only the listed functions; auto with only hosted tools answers without tools; hosted tools are named as left out."""
     body = {
