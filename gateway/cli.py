@@ -11,6 +11,7 @@ from gateway.config import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
     ConfigError,
+    Settings,
     listener_problem,
     load_settings,
 )
@@ -43,30 +44,44 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """``check``: what was asked to be checked fails the command; the rest only warns.
+
+    ``--keys-file F`` alone checks that file: problems of the config it may read for nothing
+    else (no file, a listener without TLS, certificates) are printed as ``WARN`` and the exit
+    status is the keys file's (case C32). With ``--config`` (or neither option) the config, its
+    listener, its certificates and the keys file are all checked and each problem fails.
+    """
     from gateway.keys_file import check_keys_file
     from gateway.tls import TlsError, server_context
 
+    keys_only = args.keys_file is not None and args.config is None
+    other = "WARN" if keys_only else "FAIL"
+    failed = False
+    settings: Settings | None
     try:
         settings = load_settings(args.config)
     except ConfigError as exc:
-        print(f"FAIL config: {exc}")
-        return 1
-    print(f"OK   config: {settings.source or 'defaults (no file)'}")
-    failed = False
-    listener = listener_problem(settings)
-    if listener is not None:
-        print(f"FAIL listener: {listener}")
-        failed = True
-    for name, section in (("server", settings.server), ("metrics", settings.metrics)):
-        if section.tls_cert_file:
-            try:
-                server_context(section.tls_cert_file, section.tls_key_file)
-            except TlsError as exc:
-                print(f"FAIL {name} tls: {exc}")
-                failed = True
-            else:
-                print(f"OK   {name} tls: {section.tls_cert_file}")
-    keys_file = args.keys_file or settings.auth.keys_file
+        print(f"{other} config: {exc}")
+        if not keys_only:
+            return 1
+        settings = None
+    if settings is not None:
+        print(f"OK   config: {settings.source or 'defaults (no file)'}")
+        listener = listener_problem(settings)
+        if listener is not None:
+            print(f"{other} listener: {listener}")
+            failed = failed or not keys_only
+        for name, section in (("server", settings.server), ("metrics", settings.metrics)):
+            if section.tls_cert_file:
+                try:
+                    server_context(section.tls_cert_file, section.tls_key_file)
+                except TlsError as exc:
+                    print(f"{other} {name} tls: {exc}")
+                    failed = failed or not keys_only
+                else:
+                    print(f"OK   {name} tls: {section.tls_cert_file}")
+    keys_file = args.keys_file or (settings.auth.keys_file if settings is not None else None)
+    assert keys_file is not None, "a config loads whenever --keys-file is not given"
     problems = check_keys_file(keys_file)
     for problem in problems:
         print(f"FAIL keys: {problem}")
@@ -118,7 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("check", help="validate the config and keys file; exit 1 on problems")
+    p = sub.add_parser(
+        "check",
+        help="validate the config and keys file; exit 1 on problems (with --keys-file alone: "
+        "the keys file's problems; the config's are warnings)",
+    )
     p.add_argument("--config", help=config_help)
     p.add_argument(
         "--keys-file", metavar="F", help="the keys file (default: auth.keys_file of the config)"
