@@ -196,7 +196,7 @@ def test_unreachable_redis_or_postgres_at_start_is_a_clear_error(
     workdir: Path, sim_factory: Any, gateway_factory: Any
 ) -> None:
     """An unreachable fleet Redis or PostgreSQL DSN stops the start with an error naming the
-    setting; the DSN's password never shows."""
+    setting, and `check` fails on both; the DSN's password never shows."""
     sim = sim_factory()
     closed = f"127.0.0.1:{_closed_port()}"
     with pytest.raises(RuntimeError) as no_redis:
@@ -208,6 +208,20 @@ def test_unreachable_redis_or_postgres_at_start_is_a_clear_error(
     assert "ledger.postgres_dsn" in str(no_pg.value)
     assert "S3cretPassw0rdXYZ" not in str(no_pg.value)
     assert "S3cretPassw0rdXYZ" not in (workdir / "p.log").read_text()
+    config = workdir / "p.toml"
+    config.write_text(
+        config.read_text().replace(
+            "[ledger]", f'[fleet]\nredis_url = "redis://{closed}/0"\n\n[ledger]', 1
+        )
+    )
+    checked = subprocess.run(
+        [sys.executable, "-m", "gateway", "check", "--config", str(config)],
+        capture_output=True, text=True, cwd=REPO, timeout=60, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 1
+    assert "FAIL fleet: fleet.redis_url" in checked.stdout
+    assert "FAIL ledger: ledger.postgres_dsn" in checked.stdout
+    assert "S3cretPassw0rdXYZ" not in checked.stdout + checked.stderr
 
 
 def _closed_port() -> int:
