@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue
 from gateway.config import Settings
+from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
@@ -55,6 +56,7 @@ from gateway.state import (
     DRAIN,
     ENGINE_STATE,
     FINISH_HOOKS,
+    IDLE_COUNTERS,
     LIMITER,
     LIVE,
     METRICS,
@@ -196,6 +198,15 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     upstream = Upstream(app[LIVE].current.settings.engine, app[METRICS])
     app[UPSTREAM] = upstream
     state = app[ENGINE_STATE]
+    app[IDLE_COUNTERS] = idle = IdleCounters(upstream)
+
+    def on_engine(previous: EngineStatus, status: EngineStatus) -> None:
+        idle.forget()  # another engine process, or none: its counters start again
+        admission = app[ADMISSION]
+        if status == "ready" and admission.max_concurrency == 1 and admission.in_flight == 0:
+            idle.refresh(admission.grants)
+
+    state.listeners.append(on_engine)
     tasks = [
         asyncio.create_task(
             poll_health(upstream, state, lambda: app[LIVE].current.settings.engine)
@@ -216,6 +227,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    await idle.close()
     await upstream.close()
 
 

@@ -20,7 +20,7 @@ from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue, Ticket
 from gateway.auth import Authenticator, Principal, revoked_digests
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
-from gateway.counters import Baseline, Generated
+from gateway.counters import Baseline, Generated, IdleCounters
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, Dialect
 from gateway.drain import Drain
@@ -320,6 +320,7 @@ LIVE = web.AppKey("live", LiveRef)
 METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM = web.AppKey("upstream", Upstream)
 ENGINE_STATE = web.AppKey("engine_state", EngineState)
+IDLE_COUNTERS = web.AppKey("idle_counters", IdleCounters)
 LIMITER = web.AppKey("limiter", RateLimiter)
 ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)
