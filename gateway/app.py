@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue
+from gateway.answers import AnswerWorker
 from gateway.config import Settings
 from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
@@ -51,6 +52,7 @@ from gateway.responses_api import (
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
+    ANSWER_WORKER,
     CLOCK,
     DIALECTS,
     DRAIN,
@@ -199,6 +201,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[UPSTREAM] = upstream
     state = app[ENGINE_STATE]
     app[IDLE_COUNTERS] = idle = IdleCounters(upstream)
+    app[ANSWER_WORKER] = worker = AnswerWorker()
 
     def on_engine(previous: EngineStatus, status: EngineStatus) -> None:
         idle.forget()  # another engine process, or none: its counters start again
@@ -228,6 +231,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await idle.close()
+    await worker.close()
     await upstream.close()
 
 

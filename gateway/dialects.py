@@ -84,6 +84,9 @@ class Dialect:
             (Anthropic's ``x-api-key``), or None.
         limit_headers: the rate-limit headers of an answer in this API's names (Anthropic's
             ``anthropic-ratelimit-*``); identity for OpenAI's ``x-ratelimit-*``.
+        store_answer: keeps an answer that `json_answer` would have stored when it ran in the
+            worker process (`gateway.answers`): (tenant, response id, response JSON, input
+            items JSON); None for dialects that store nothing.
     """
 
     name: str
@@ -97,6 +100,7 @@ class Dialect:
     keepalive: bytes | None = None
     api_key_header: str | None = None
     limit_headers: Callable[[dict[str, str]], dict[str, str]] = lambda headers: headers
+    store_answer: Callable[[str, str, bytes, bytes], object] | None = None
 
 
 def _openai_planner(kind: Kind) -> Callable[[PlanInput], RequestPlan]:
@@ -120,6 +124,7 @@ def _openai_relay(settings: Settings, plan: RequestPlan) -> StreamRelay:
         client_wants_usage=plan.client_wants_usage,
         client_wants_running_usage=plan.client_wants_running_usage,
         n=plan.n,
+        max_event_bytes=settings.engine.max_event_bytes,
     )
 
 
