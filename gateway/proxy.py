@@ -43,6 +43,7 @@ from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, 
 from gateway.settling import release_ticket, run_to_end, settle, take_baseline
 from gateway.state import (
     ADMISSION,
+    ANSWER_WORKER,
     CLOCK,
     CONTEXT,
     DRAIN,
@@ -392,7 +393,7 @@ async def _call_engine(
         if stream is not None:
             result = await relay_stream(request, call, answer, stream)
         else:
-            result = await relay_json(call, answer)
+            result = await relay_json(request, call, answer, app[ANSWER_WORKER])
         complete = True
         return result
     finally:
