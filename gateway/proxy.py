@@ -37,6 +37,7 @@ from gateway.errors import (
     GatewayTimeout,
     RequestQuarantined,
 )
+from gateway.framing import comment
 from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler, credential
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
@@ -58,7 +59,7 @@ from gateway.state import (
 
 log = structlog.get_logger("gateway.proxy")
 
-_QUEUED_COMMENT = b": queued\n\n"
+_QUEUED_COMMENT = comment("queued")
 _QUEUED_COMMENT_EVERY_S = 5.0
 
 
