@@ -148,7 +148,7 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
             simulator_argv(settings, tokens_per_second), stdout=subprocess.DEVNULL, stderr=log
         )
     try:
-        if not _wait_for_socket(Path(settings.engine.socket), sim, 20.0):
+        if not _wait_for_socket(Path(settings.engine.socket), sim, 60.0):
             said = sim_log.read_text(errors="replace").strip().splitlines()[-1:]
             print(
                 "qwen38-gateway demo: the engine simulator did not start"
