@@ -9,7 +9,9 @@ Sections (``--only`` picks some; default all but ``profile``):
 - ``busy``: one engine slot at 1,000 tokens/s, four tenants' backlog: engine busy fraction,
   hand-over gap, Jain's fairness index, a short request's wait behind long ones
   (`tests.perf.busy`);
-- ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised.
+- ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised;
+- ``slot``: adds the gateway with production's ``engine.max_concurrency = 1`` to the ``fast``
+  rows at c=1 (the engine-counter baseline of every request).
 
 Each of direct, nginx and gateway is measured in turn at each concurrency, the sequence repeated
 ``--rounds`` times (default 3), and the medians are reported. Everything runs on loopback and Unix
@@ -19,6 +21,7 @@ sockets in a private temp directory that is removed at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shutil
@@ -43,7 +46,7 @@ from tests.perf.targets import verdicts
 FAST = Profile("fast", "0 ms per token, 256 tokens an answer", 0.0, 256, (1, 32, 256))
 PACED = Profile("paced", "25 ms per token (40 tokens/s), 64 tokens", 40.0, 64, (1, 32, 64, 256))
 SECTIONS = ("fast", "paced", "limits", "slow", "busy")
-EXTRA_SECTIONS = ("profile", "ledger")
+EXTRA_SECTIONS = ("profile", "ledger", "slot")
 SLOW_STREAMS, SLOW_TOKENS = 2000, 25
 QUICK_SLOW_STREAMS, QUICK_SLOW_TOKENS = 500, 8
 # busy: measured window of each backlog run (s) and short probes behind the long backlog.
@@ -129,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"sections to run (default: {' '.join(SECTIONS)})",
     )
     parser.add_argument("--json", type=Path, help="also write every measured row here (JSON lines)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        help="relay rows only at these concurrencies (default: each profile's own)",
+    )
     args = parser.parse_args(argv)
     only = set(args.only or SECTIONS)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -149,14 +158,20 @@ def main(argv: list[str] | None = None) -> int:
                 for section, variant in (
                     ("limits", "gateway-limits-off"),
                     ("ledger", "gateway-ledger-off"),
+                    ("slot", "gateway-one-slot"),
                 )
-                if profile is FAST and section in only
+                if profile.name == "fast" and section in only
             ]
             wanted = profile.name in only or bool(extras)
             if not wanted:
                 continue
             full = profile.name in only
             variants = tuple(extras)
+            if args.concurrency:
+                profile = dataclasses.replace(
+                    profile,
+                    concurrencies=tuple(c for c in profile.concurrencies if c in args.concurrency),
+                )
             _progress(f"starting {profile.name}: {profile.description}")
             with run_stack(
                 workdir / profile.name,
@@ -227,6 +242,7 @@ _TARGET_ORDER = {
     "gateway": 2,
     "gateway-limits-off": 3,
     "gateway-ledger-off": 4,
+    "gateway-one-slot": 5,
 }
 
 
