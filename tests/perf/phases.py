@@ -213,14 +213,15 @@ def main() -> int:
 
         from tests.conftest import wait_until
 
-        assert wait_until(
-            lambda: (
-                httpx.get(gw.url("/ready"), timeout=1).status_code == 200
-                if proc.poll() is None
-                else False
-            ),
-            20,
-        )
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError("the timed gateway exited")
+            try:
+                return httpx.get(gw.url("/ready"), timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(ready, 30), "the timed gateway did not become ready"
         ttfts = asyncio.run(_drive(gw.base_url, KEY_A, request_body(256), count))
     finally:
         proc.send_signal(signal.SIGTERM)
