@@ -141,6 +141,7 @@ class Accounting:
         ttft_s: float | None,
         duration_s: float,
         request_id: str,
+        engine: str | None = None,
     ) -> None:
         """Queue the ledger record of one finished model request (see `UsageRecord`).
 
@@ -166,6 +167,7 @@ class Accounting:
                 ttft_s,
                 duration_s,
                 request_id,
+                engine,
             )
         )
 

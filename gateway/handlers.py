@@ -13,6 +13,7 @@ from gateway.state import (
     CLOCK,
     CONTEXT,
     ENGINE_STATE,
+    FLEET,
     LIMITER,
     STARTED,
     Caller,
@@ -29,7 +30,8 @@ async def ready(request: web.Request) -> web.Response:
 
     Body: ``ready`` (bool), ``engine`` (status), ``engine_state_for_s`` (seconds in that
     status), ``keys_loaded`` (API keys), ``keys_version`` (`KeySet.version`), ``queue_depth``
-    and ``in_flight`` (requests).
+    and ``in_flight`` (requests), ``engines``: per engine name its ``status``, ``state_for_s``,
+    ``slots`` and ``in_flight`` (`gateway.fleet.Fleet.detail`). Ready while any engine is.
     """
     app = request.app
     state = app[ENGINE_STATE]
@@ -44,6 +46,7 @@ async def ready(request: web.Request) -> web.Response:
         "keys_version": live.keys.version,
         "queue_depth": app[ADMISSION].depth,
         "in_flight": app[ADMISSION].in_flight,
+        "engines": app[FLEET].detail(app[CLOCK]()),
     }
     return web.json_response(body, status=200 if is_ready else 503)
 

@@ -31,7 +31,8 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""1: the first table; 2: the ``engine`` column (added in place to a version-1 file)."""
 _BUSY_TIMEOUT_MS = 5000
 _PRUNE_BATCH = 10_000
 _RETRY_MAX_S = 5.0
@@ -51,7 +52,8 @@ CREATE TABLE IF NOT EXISTS usage (
     queue_s REAL,
     ttft_s REAL,
     duration_s REAL NOT NULL,
-    request_id TEXT NOT NULL
+    request_id TEXT NOT NULL,
+    engine TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 CREATE INDEX IF NOT EXISTS usage_tenant_day ON usage (tenant, day);
@@ -83,6 +85,8 @@ class UsageRecord:
         ttft_s: seconds from request received to the first token sent, None if none was sent.
         duration_s: seconds from request received to the end.
         request_id: the ``x-request-id`` answered to the client.
+        engine: the name of the engine the request was sent to (``[[engines]]`` ``name``, or
+            ``default``), None when it never reached one.
     """
 
     ts: float
@@ -99,6 +103,7 @@ class UsageRecord:
     ttft_s: float | None
     duration_s: float
     request_id: str
+    engine: str | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -139,6 +144,9 @@ def connect(path: str | os.PathLike[str]) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
         conn.executescript(SCHEMA)
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
+        if "engine" not in columns:  # a version-1 file: its records reached no named engine
+            conn.execute("ALTER TABLE usage ADD COLUMN engine TEXT")
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.commit()
     except BaseException:

@@ -52,6 +52,12 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway_quarantined_requests_total": ("counter", ("tenant",)),
     "gateway_quarantine_entries": ("gauge", ()),
     "gateway_engine_retries_total": ("counter", ()),
+    # One series per configured engine (gateway/fleet.py); ``engine`` is the [[engines]] name.
+    "gateway_engine_status": ("gauge", ("engine",)),
+    "gateway_engine_slots": ("gauge", ("engine",)),
+    "gateway_engine_in_flight": ("gauge", ("engine",)),
+    "gateway_engine_requests_total": ("counter", ("engine",)),
+    "gateway_engine_failovers_total": ("counter", ("engine",)),
     "vllm:num_requests_running": ("gauge", _VLLM),
     "vllm:num_requests_waiting": ("gauge", _VLLM),
     "vllm:kv_cache_usage_perc": ("gauge", _VLLM),
