@@ -83,6 +83,7 @@ GRAFANA_VARIABLES = {
     "$__range": "1h",
     "$instance": ".*",
     "$tenant": ".*",
+    "$engine": ".*",
 }
 PROMQL_KEYWORDS = frozenset(
     {
