@@ -24,7 +24,8 @@ from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
 from gateway.engine_watch import check_drift
-from gateway.fleet import Fleet
+from gateway.engines import Engines
+from gateway.fleet_sync import FLEET_SYNC, fleet_ctx
 from gateway.handlers import get_model, health, list_models, ready, usage
 from gateway.keys_file import load_keys_file
 from gateway.limiter import create_rate_limiter
@@ -55,8 +56,8 @@ from gateway.state import (
     DIALECTS,
     DRAIN,
     ENGINE_STATE,
+    ENGINES,
     FINISH_HOOKS,
-    FLEET,
     LIMITER,
     LIVE,
     METRICS,
@@ -128,8 +129,8 @@ def create_app(
     )
 
     # The engines: their states drive the queue's rotation, the quarantine's deaths and the
-    # fleet's state (gateway.fleet); their sessions open with the app (_upstream_ctx).
-    app[FLEET] = Fleet(specs, metrics, clock, app[ENGINE_STATE], app[ADMISSION], quarantine)
+    # fleet's state (gateway.engines); their sessions open with the app (_upstream_ctx).
+    app[ENGINES] = Engines(specs, metrics, clock, app[ENGINE_STATE], app[ADMISSION], quarantine)
     app[DIALECTS] = {}
     app[FINISH_HOOKS] = []
 
@@ -149,13 +150,15 @@ def create_app(
         if ACCOUNTING in app:
             app[ACCOUNTING].reconfigure(new_settings)
         engine = new_settings.engine
-        known = app[FLEET].specs
+        known = app[ENGINES].specs
         app[ADMISSION].reconfigure(
             {s.name: s.max_concurrency for s in new_settings.engine_specs if s.name in known},
             engine.queue_size,
             engine.queue_timeout_s,
             engine.affinity_load_factor,
         )
+        if FLEET_SYNC in app:
+            app[FLEET_SYNC].wake()  # publish a revocation now
 
     app[RELOADER] = Reloader(
         config_path=config_path,
@@ -165,6 +168,7 @@ def create_app(
         metrics=metrics,
         settings=settings,
     )
+    app.cleanup_ctx.append(fleet_ctx)
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_limiter_ctx)
     app.cleanup_ctx.append(_accounting_ctx)
@@ -197,10 +201,10 @@ def create_app(
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Each engine's session and health poller (`Fleet.start`), the drift check of each, the
+    """Each engine's session and health poller (`Engines.start`), the drift check of each, the
     quarantine file's watcher. ``UPSTREAM`` is the first engine's session (requests that need no
-    slot pick a ready engine through `Fleet.any_ready`)."""
-    fleet = app[FLEET]
+    slot pick a ready engine through `Engines.any_ready`)."""
+    fleet = app[ENGINES]
     fleet.start(lambda: app[LIVE].current.settings.engine)
     app[UPSTREAM] = fleet.upstream(None)
     queue = app[ADMISSION]

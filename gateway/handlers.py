@@ -12,8 +12,9 @@ from gateway.state import (
     ADMISSION,
     CLOCK,
     CONTEXT,
+    DRAIN,
     ENGINE_STATE,
-    FLEET,
+    ENGINES,
     LIMITER,
     STARTED,
     Caller,
@@ -26,18 +27,22 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 when keys are loaded and the engine is healthy and warm; JSON detail either way.
+    """200 when keys are loaded, the engine is healthy and warm and the gateway is not shutting
+    down; 503 otherwise; JSON detail either way.
 
     Body: ``ready`` (bool), ``engine`` (status), ``engine_state_for_s`` (seconds in that
     status), ``keys_loaded`` (API keys), ``keys_version`` (`KeySet.version`), ``queue_depth``
-    and ``in_flight`` (requests), ``engines``: per engine name its ``status``, ``state_for_s``,
-    ``slots`` and ``in_flight`` (`gateway.fleet.Fleet.detail`). Ready while any engine is.
+    and ``in_flight`` (requests), ``draining`` (bool: SIGTERM received, the load balancer
+    should send new clients elsewhere), ``engines``: per engine name its ``status``,
+    ``state_for_s``, ``slots`` and ``in_flight`` (`gateway.engines.Engines.detail`); the engine
+    is ready while any engine is.
     """
     app = request.app
     state = app[ENGINE_STATE]
     live = request[CONTEXT].live
     keys_ok = live.keys.key_count > 0 or bool(live.keys.signing_keys)
-    is_ready = keys_ok and state.ready
+    draining = app[DRAIN].announced
+    is_ready = keys_ok and state.ready and not draining
     body = {
         "ready": is_ready,
         "engine": state.status,
@@ -46,7 +51,8 @@ async def ready(request: web.Request) -> web.Response:
         "keys_version": live.keys.version,
         "queue_depth": app[ADMISSION].depth,
         "in_flight": app[ADMISSION].in_flight,
-        "engines": app[FLEET].detail(app[CLOCK]()),
+        "draining": draining,
+        "engines": app[ENGINES].detail(app[CLOCK]()),
     }
     return web.json_response(body, status=200 if is_ready else 503)
 

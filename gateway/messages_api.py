@@ -26,7 +26,7 @@ from gateway.dialects import Dialect, PlanInput
 from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
-from gateway.state import CONTEXT, ENGINE_STATE, FLEET, LIMITER
+from gateway.state import CONTEXT, ENGINE_STATE, ENGINES, LIMITER
 from gateway.translate.anthropic_errors import (
     anthropic_error,
     anthropic_error_bytes,
@@ -140,7 +140,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         if translated.chat.get("tools"):
             body["tools"] = translated.chat["tools"]
         answer = (
-            await app[FLEET]
+            await app[ENGINES]
             .any_ready()
             .post("/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex)
         )

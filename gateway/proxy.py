@@ -49,7 +49,7 @@ from gateway.state import (
     CONTEXT,
     DRAIN,
     ENGINE_STATE,
-    FLEET,
+    ENGINES,
     LIMITER,
     METRICS,
     QUARANTINE,
@@ -172,7 +172,7 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     metrics.in_flight.labels(label).inc()
     try:
         tenant = call.caller.tenant
-        home = app[FLEET].affinity.home(call.session)
+        home = app[ENGINES].affinity.home(call.session)
         ticket = app[ADMISSION].enqueue(
             tenant.name, tenant.weight, plan.reserve_tokens, label=label, home=home
         )
@@ -249,7 +249,7 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
             remaining = max(0.0, engine.queue_timeout_s - ticket.waited_s)
             if not await state.wait_ready(remaining):
                 raise state.unavailable()
-        if not app[FLEET].state(ticket.engine).ready:
+        if not app[ENGINES].state(ticket.engine).ready:
             # Granted while no engine was ready; another one came back first.
             await _move(app, call, ticket.engine)
     except GatewayError as exc:
@@ -369,7 +369,7 @@ async def _call_engine(
 ) -> web.StreamResponse:
     assert call.plan is not None and call.ticket is not None
     app = request.app
-    fleet = app[FLEET]
+    fleet = app[ENGINES]
     several = len(fleet) > 1
     clock = app[CLOCK]
     quarantine = app[QUARANTINE]

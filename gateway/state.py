@@ -24,7 +24,7 @@ from gateway.counters import Baseline, Generated
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, Dialect
 from gateway.drain import Drain
-from gateway.fleet import Fleet
+from gateway.engines import Engines
 from gateway.metrics import Metrics
 from gateway.quarantine import Quarantine
 from gateway.quota import QuotaReservation
@@ -77,6 +77,7 @@ def build_live(
         max_ttl_s=settings.auth.jwt_max_ttl_s,
         clock=clock,
         revoked=revoked_digests(previous.auth if previous else None, keys),
+        fleet_revoked=previous.auth.fleet_revoked if previous else None,
     )
     return Live(settings=settings, keys=keys, auth=auth, salt_secret=salt)
 
@@ -325,7 +326,7 @@ LIVE = web.AppKey("live", LiveRef)
 METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM = web.AppKey("upstream", Upstream)
 ENGINE_STATE = web.AppKey("engine_state", EngineState)
-FLEET = web.AppKey("fleet", Fleet)
+ENGINES = web.AppKey("engines", Engines)
 LIMITER = web.AppKey("limiter", RateLimiter)
 ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)

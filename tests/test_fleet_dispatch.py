@@ -17,6 +17,8 @@ from gateway.metrics import Metrics
 from gateway.quarantine import Quarantine
 from tests.perf.busy import jain
 
+pytestmark = pytest.mark.fast
+
 ENGINES4 = [("e0", 1), ("e1", 1), ("e2", 1), ("e3", 1)]
 
 
@@ -330,11 +332,11 @@ def test_the_ledger_records_the_engine_and_migrates_an_old_file(tmp_path: Path) 
     connect(path).close()
     ledger = Ledger(path, Metrics(CollectorRegistry()))
     ts = 2.0
-    fields = ("acme", "k", None, "/v1/x", 200, 3, 4, None, None, None, 0.2, "new", "gpu1")
-    ledger.record(UsageRecord(ts, utc_day(ts), *fields))
+    fields = ("acme", "k", None, "/v1/x", 200, 3, 4, None, None, None, 0.2, "new")
+    ledger.record(UsageRecord(ts, utc_day(ts), *fields, engine="gpu1"))
     ledger.flush()
     ledger.close()
     rows = sqlite3.connect(path).execute("SELECT request_id, engine FROM usage ORDER BY ts")
     assert rows.fetchall() == [("old", None), ("new", "gpu1")]
     version = sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0]
-    assert version == SCHEMA_VERSION == 2
+    assert version == SCHEMA_VERSION == 3

@@ -85,8 +85,10 @@ def test_requests_use_every_engine_and_ready_and_metrics_name_them(
     assert sum(sent) == 8 and min(sent) >= 2
     ledger = workdir / "gw-usage.sqlite3"
     assert wait_until(
-        lambda: ledger.exists()
-        and sqlite3.connect(ledger).execute("SELECT COUNT(*) FROM usage").fetchone()[0] == 8,
+        lambda: (
+            ledger.exists()
+            and sqlite3.connect(ledger).execute("SELECT COUNT(*) FROM usage").fetchone()[0] == 8
+        ),
         10,
     )
     rows = sqlite3.connect(ledger).execute("SELECT engine, COUNT(*) FROM usage GROUP BY engine")
@@ -99,7 +101,7 @@ def test_a_session_stays_on_its_engine(
 ) -> None:
     """Turns of one session (X-Session-Id, prompt_cache_key) go to the engine of its first turn."""
     sims, gw = fleet(sim_factory, gateway_factory)
-    for turn in range(4):
+    for _ in range(4):
         assert chat(gw, headers={"X-Session-Id": "s-one"}, max_tokens=2).status_code == 200
         assert chat(gw, prompt_cache_key="conv-two", max_tokens=2).status_code == 200
         assert chat(gw, key=KEY_B, prompt_cache_key="conv-two", max_tokens=2).status_code == 200
@@ -169,9 +171,9 @@ def test_a_retry_on_a_healthy_engine_answers_the_client(
     assert wait_until(lambda: engine_states(gw)["e0"] == "ready", 10)
     answers = [chat(gw, max_tokens=6) for _ in range(3)]
     assert [a.status_code for a in answers] == [200] * 3
-    assert gw.metric("gateway_engine_retries_total") + gw.metric(
-        "gateway_engine_failovers_total"
-    ) >= 1
+    assert (
+        gw.metric("gateway_engine_retries_total") + gw.metric("gateway_engine_failovers_total") >= 1
+    )
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
