@@ -205,3 +205,65 @@ def test_a_stream_in_flight_on_a_killed_engine_ends_with_an_error_event(
     else:
         assert '"error"' in text and "[DONE]" not in text
     assert chat(gw, max_tokens=2).status_code == 200
+
+
+def test_demo_with_several_engines_serves_from_each(tmp_path: Path) -> None:
+    """``qwen38-gateway demo --engines 3`` starts three simulators behind one gateway and uses
+    each of them."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, free_port
+
+    port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "demo", "--engines", "3", "--port", str(port),
+         "--metrics-port", str(metrics_port), "--tokens-per-second", "40"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        key = None
+        deadline = time.monotonic() + 30
+        while key is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            found = re.search(r"(sk-q38-demo-\S+)", line)
+            key = found.group(1) if found else None
+        assert key, "the demo printed no key"
+        base = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                detail = httpx.get(base + "/ready", timeout=2).json()["engines"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return False
+            return sorted(detail) == ["sim0", "sim1", "sim2"] and all(
+                d["status"] == "ready" for d in detail.values()
+            )
+
+        assert wait_until(ready, 30)
+
+        def ask(_: int) -> int:
+            return httpx.post(
+                base + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": ALIAS, "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 20},
+                timeout=30,
+            ).status_code  # fmt: skip
+
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(ask, range(6))) == [200] * 6
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        used = re.findall(r'gateway_engine_requests_total\{engine="(sim\d)"\} ([1-9])', text)
+        assert {name for name, _ in used} == {"sim0", "sim1", "sim2"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
