@@ -267,3 +267,6 @@ def test_demo_with_several_engines_serves_from_each(tmp_path: Path) -> None:
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(5)
+        if proc.stdout is not None:
+            proc.stdout.close()
