@@ -187,16 +187,21 @@ def create_app(
     app.router.add_post("/v1/messages/count_tokens", count_tokens, expect_handler=expect_continue)
     app[DIALECTS]["/v1/messages/count_tokens"] = ANTHROPIC
     stored = "/v1/responses/{response_id}"
-    app.router.add_get(stored, get_response, allow_head=False)
-    app.router.add_delete(stored, delete_response)
+    app.router.add_get(stored, get_response, allow_head=False, expect_handler=expect_continue)
+    app.router.add_delete(stored, delete_response, expect_handler=expect_continue)
     app.router.add_post(stored + "/cancel", cancel_response, expect_handler=expect_continue)
     app[DIALECTS][stored] = responses
     app[DIALECTS][stored + "/cancel"] = responses
-    app.router.add_get("/v1/models", list_models, allow_head=False)
-    app.router.add_get("/v1/models/{id}", get_model, allow_head=False)
-    app.router.add_get("/v1/usage", usage, allow_head=False)
-    app.router.add_get("/health", health, allow_head=True)
-    app.router.add_get("/ready", ready, allow_head=True)
+    # Every route takes `expect_continue`: aiohttp's default answers an unknown expectation
+    # with a text page quoting the header (a 500 when it holds a lone surrogate).
+    for path, get_handler, head in (
+        ("/v1/models", list_models, False),
+        ("/v1/models/{id}", get_model, False),
+        ("/v1/usage", usage, False),
+        ("/health", health, True),
+        ("/ready", ready, True),
+    ):
+        app.router.add_get(path, get_handler, allow_head=head, expect_handler=expect_continue)
     return app
 
 

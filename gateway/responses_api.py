@@ -16,13 +16,14 @@ created with ``background`` (which this server does not run). With the store off
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aiohttp import web
 
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput
-from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.errors import BadRequest, GatewayError, NotFound, quotable
 from gateway.rewrite import RequestPlan
 from gateway.sse import SseRelay
 from gateway.state import CONTEXT
@@ -37,8 +38,13 @@ from gateway.translate.responses_stream import KEEPALIVE_COMMENT, ResponsesWrite
 STORE = web.AppKey("responses_store", ResponseStore)
 
 
+_ID_RE = re.compile(r"resp_[0-9a-f]{24}")
+
+
 def _not_found(response_id: str) -> NotFound:
-    shown = response_id[:100] if not response_id.startswith(("sk-", "eyJ")) else "<redacted>"
+    """404 for an id the caller has no stored response under; the id is quoted when it has the
+    shape of this server's ids (`gateway.translate.common.new_id`), else only when `quotable`."""
+    shown = response_id if _ID_RE.fullmatch(response_id) else quotable(response_id)
     return NotFound(f"Response with id '{shown}' not found.", param="response_id")
 
 

@@ -294,11 +294,11 @@ ENGINE_OVERFLOW = (
 
 
 def test_context_overflow_wording() -> None:
-    """The engine's prompt-too-long 400 reads as Anthropic's and carries OpenAI's string code."""
+    """The engine's prompt-too-long 400 reads as Anthropic's (its lower bound kept as one) and carries OpenAI's string code."""
     error = BadRequest(ENGINE_OVERFLOW, param="input_tokens")
     assert (
         anthropic_error(error)[1]["error"]["message"]
-        == "prompt is too long: 28321 tokens > 8192 maximum"
+        == "prompt is too long: at least 28321 tokens > 8192 maximum"
     )
     status, body, _ = responses_error(error)
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
