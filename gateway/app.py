@@ -19,7 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue
+from gateway.answers import AnswerWorker
 from gateway.config import Settings
+from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
@@ -52,12 +54,14 @@ from gateway.responses_api import (
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
+    ANSWER_WORKER,
     CLOCK,
     DIALECTS,
     DRAIN,
     ENGINE_STATE,
     ENGINES,
     FINISH_HOOKS,
+    IDLE_COUNTERS,
     LIMITER,
     LIVE,
     METRICS,
@@ -68,7 +72,7 @@ from gateway.state import (
     LiveRef,
     build_live,
 )
-from gateway.upstream import EngineState
+from gateway.upstream import EngineState, EngineStatus
 
 
 def create_app(
@@ -207,12 +211,24 @@ def create_app(
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     """Each engine's session and health poller (`Engines.start`), the drift check of each, the
-    quarantine file's watcher. ``UPSTREAM`` is the first engine's session (requests that need no
-    slot pick a ready engine through `Engines.any_ready`)."""
+    quarantine file's watcher, the engine's idle counters (one engine of one slot) and the
+    answer worker. ``UPSTREAM`` is the first engine's session (requests that need no slot pick
+    a ready engine through `Engines.any_ready`)."""
     fleet = app[ENGINES]
     fleet.start(lambda: app[LIVE].current.settings.engine)
-    app[UPSTREAM] = fleet.upstream(None)
+    app[UPSTREAM] = upstream = fleet.upstream(None)
     queue = app[ADMISSION]
+    state = app[ENGINE_STATE]
+    app[IDLE_COUNTERS] = idle = IdleCounters(upstream)
+    app[ANSWER_WORKER] = worker = AnswerWorker()
+
+    def on_engine(previous: EngineStatus, status: EngineStatus) -> None:
+        idle.forget()  # another engine process, or none: its counters start again
+        admission = app[ADMISSION]
+        if status == "ready" and admission.max_concurrency == 1 and admission.in_flight == 0:
+            idle.refresh(admission.grants)
+
+    state.listeners.append(on_engine)
     tasks = [
         asyncio.create_task(
             check_drift(
@@ -231,6 +247,8 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    await idle.close()
+    await worker.close()
     await fleet.close()
 
 

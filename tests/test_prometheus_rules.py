@@ -56,6 +56,8 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway_quarantined_requests_total": ("counter", ("tenant",)),
     "gateway_quarantine_entries": ("gauge", ()),
     "gateway_engine_retries_total": ("counter", ()),
+    "gateway_prompt_counts_total": ("counter", ()),
+    "gateway_prompt_ceiling_exceeded_total": ("counter", ()),
     # One series per configured engine (gateway/fleet.py); ``engine`` is the [[engines]] name.
     "gateway_engine_status": ("gauge", ("engine",)),
     "gateway_engine_slots": ("gauge", ("engine",)),
