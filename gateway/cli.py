@@ -80,6 +80,8 @@ def _check(args: argparse.Namespace) -> int:
                     failed = failed or not keys_only
                 else:
                     print(f"OK   {name} tls: {section.tls_cert_file}")
+        if not keys_only:
+            failed = _check_fleet(settings) or failed
     keys_file = args.keys_file or (settings.auth.keys_file if settings is not None else None)
     assert keys_file is not None, "a config loads whenever --keys-file is not given"
     problems = check_keys_file(keys_file)
@@ -88,6 +90,39 @@ def _check(args: argparse.Namespace) -> int:
     if not problems:
         print(f"OK   keys: {keys_file}")
     return 1 if problems or failed else 0
+
+
+def _check_fleet(settings: Settings) -> bool:
+    """Print OK/FAIL for the fleet's Redis and the ledger's PostgreSQL when configured; True on
+    a failure. Neither the DSN nor the Redis URL is printed (either may hold a password)."""
+    failed = False
+    if settings.fleet.redis_url:
+        import redis
+
+        client = redis.Redis.from_url(
+            settings.fleet.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0
+        )
+        try:
+            client.ping()
+        except (redis.RedisError, OSError) as exc:
+            print(f"FAIL fleet: fleet.redis_url does not answer ({type(exc).__name__})")
+            failed = True
+        else:
+            print("OK   fleet: fleet.redis_url answers")
+        finally:
+            client.close()
+    dsn = settings.ledger.dsn() if settings.ledger.enabled else ""
+    if dsn:
+        from gateway.ledger_ship import check_dsn
+
+        try:
+            check_dsn(dsn)
+        except ConfigError as exc:
+            print(f"FAIL ledger: {exc}")
+            failed = True
+        else:
+            print("OK   ledger: ledger.postgres_dsn answers (table usage ready)")
+    return failed
 
 
 def _demo(args: argparse.Namespace) -> int:

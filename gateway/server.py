@@ -21,7 +21,7 @@ from gateway.config import ConfigError, Settings, listener_problem
 from gateway.drain import Drain
 from gateway.exposition import create_metrics_app
 from gateway.http_errors import GatewayRunner
-from gateway.state import ADMISSION, DRAIN, METRICS, RELOADER
+from gateway.state import ADMISSION, DRAIN, LIVE, METRICS, RELOADER
 from gateway.tls import TlsFiles
 
 log = structlog.get_logger("gateway")
@@ -128,11 +128,12 @@ async def serve(settings: Settings, config_path: str | None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _force_exit)
         drain.announce()
-        if settings.server.drain_delay_s > 0:
+        delay = app[LIVE].current.settings.server.drain_delay_s  # a reload may have changed it
+        if delay > 0:
             # /ready says 503 while everything is still served: the load balancer's health
             # checks take this gateway out before its listener closes.
-            log.info("gateway_drain_announced", delay_s=settings.server.drain_delay_s)
-            await asyncio.sleep(settings.server.drain_delay_s)
+            log.info("gateway_drain_announced", delay_s=delay)
+            await asyncio.sleep(delay)
         await _drain(app, runners, drain, grace)
     finally:
         for watcher in list(watchers):
