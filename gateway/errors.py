@@ -415,6 +415,19 @@ class EngineFailed(BadGateway):
     kind = "status_5xx"
 
 
+class EngineAnswerTooLarge(BadGateway):
+    """502: one engine answer (a non-streamed body) or one streamed event was larger than the
+    gateway relays (``engine.max_answer_bytes``, ``engine.max_event_bytes``); the engine request
+    is aborted."""
+
+    kind = "too_large"
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(
+            f"The engine's {what} was larger than this gateway relays ({limit} bytes)."
+        )
+
+
 class GatewayTimeout(UpstreamError):
     """504: the engine stayed silent longer than ``engine.read_timeout_s``."""
 

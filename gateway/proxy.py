@@ -43,6 +43,7 @@ from gateway.settling import release_ticket, run_to_end, settle, take_baseline
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
+    ANSWER_WORKER,
     CLOCK,
     CONTEXT,
     DRAIN,
@@ -399,7 +400,7 @@ async def _call_engine(
         if stream is not None:
             result = await relay_stream(request, call, answer, stream)
         else:
-            result = await relay_json(call, answer)
+            result = await relay_json(request, call, answer, app[ANSWER_WORKER])
         complete = True
         return result
     finally:
