@@ -19,7 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue
+from gateway.answers import AnswerWorker
 from gateway.config import Settings
+from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
@@ -51,11 +53,13 @@ from gateway.responses_api import (
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
+    ANSWER_WORKER,
     CLOCK,
     DIALECTS,
     DRAIN,
     ENGINE_STATE,
     FINISH_HOOKS,
+    IDLE_COUNTERS,
     LIMITER,
     LIVE,
     METRICS,
@@ -205,6 +209,16 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     upstream = Upstream(app[LIVE].current.settings.engine, app[METRICS])
     app[UPSTREAM] = upstream
     state = app[ENGINE_STATE]
+    app[IDLE_COUNTERS] = idle = IdleCounters(upstream)
+    app[ANSWER_WORKER] = worker = AnswerWorker()
+
+    def on_engine(previous: EngineStatus, status: EngineStatus) -> None:
+        idle.forget()  # another engine process, or none: its counters start again
+        admission = app[ADMISSION]
+        if status == "ready" and admission.max_concurrency == 1 and admission.in_flight == 0:
+            idle.refresh(admission.grants)
+
+    state.listeners.append(on_engine)
     tasks = [
         asyncio.create_task(
             poll_health(upstream, state, lambda: app[LIVE].current.settings.engine)
@@ -225,6 +239,8 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    await idle.close()
+    await worker.close()
     await upstream.close()
 
 

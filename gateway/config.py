@@ -120,6 +120,10 @@ class EngineSettings:
     failed probes at the default 2 s interval, well above a loaded engine's slow ``/health``.
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
     headers and ``: queued`` SSE comments while it waits.
+    ``max_answer_bytes``: the largest non-streamed engine answer relayed (a larger one is a 502,
+    the engine request aborted); ``max_event_bytes``: the largest single streamed event (past
+    it the stream ends with a 502 error event). A 32,768-token answer is about 150 KB of JSON,
+    one vLLM event a few hundred bytes (a few KB with ``top_logprobs``).
     """
 
     socket: str = "/run/qwen38/engine.sock"
@@ -139,6 +143,8 @@ class EngineSettings:
     ready_file: str = ""
     launcher_status_file: str = ""
     drift_check_interval_s: float = 30.0
+    max_answer_bytes: int = 33_554_432
+    max_event_bytes: int = 8_388_608
 
 
 @dataclass(frozen=True)
@@ -164,8 +170,10 @@ class ResponsesSettings:
 
     Off by default: Codex and most coding clients send ``store: false`` and the whole history.
     When on, responses are kept in this process's memory only (not shared by replicas, lost at
-    restart), at most ``store_max_items`` of them and ``store_max_bytes`` of JSON, each for
-    ``store_ttl_s`` seconds, visible only to the tenant that created them.
+    restart), at most ``store_max_items`` of them and ``store_max_bytes`` in all (compact JSON
+    bytes, as held, plus a per-entry overhead), each for ``store_ttl_s`` seconds, visible only
+    to the tenant that created them; when full, the tenant holding the most gives up its oldest
+    (`gateway.translate.responses_store`).
     """
 
     store: bool = False

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from gateway.config import Settings, TenantSettings
 from gateway.errors import GatewayError
+from gateway.framing import comment
 from gateway.rewrite import Kind, RequestPlan, plan_request
 from gateway.sse import RelayState, SseRelay, rewrite_completion_body
 
@@ -91,6 +92,9 @@ class Dialect:
             (Anthropic's ``x-api-key``), or None.
         limit_headers: the rate-limit headers of an answer in this API's names (Anthropic's
             ``anthropic-ratelimit-*``); identity for OpenAI's ``x-ratelimit-*``.
+        store_answer: keeps an answer that `json_answer` would have stored when it ran in the
+            worker process (`gateway.answers`): (tenant, response id, response JSON, input
+            items JSON); None for dialects that store nothing.
         explain_rejection: the engine's 4xx made exact before this API states it (Anthropic's
             prompt-too-long numbers need the prompt's exact count where the engine gave a lower
             bound), given the engine and the plan; None to pass the engine's error on.
@@ -107,6 +111,7 @@ class Dialect:
     keepalive: bytes | None = None
     api_key_header: str | None = None
     limit_headers: Callable[[dict[str, str]], dict[str, str]] = lambda headers: headers
+    store_answer: Callable[[str, str, bytes, bytes], object] | None = None
     explain_rejection: (
         Callable[[PromptCounter, RequestPlan, GatewayError], Awaitable[GatewayError]] | None
     ) = None
@@ -133,6 +138,7 @@ def _openai_relay(settings: Settings, plan: RequestPlan) -> StreamRelay:
         client_wants_usage=plan.client_wants_usage,
         client_wants_running_usage=plan.client_wants_running_usage,
         n=plan.n,
+        max_event_bytes=settings.engine.max_event_bytes,
     )
 
 
@@ -140,7 +146,7 @@ def _openai_json(body: dict[str, Any], settings: Settings, plan: RequestPlan) ->
     return rewrite_completion_body(body, settings.model.alias)
 
 
-OPENAI_KEEPALIVE = b": keep-alive\n\n"
+OPENAI_KEEPALIVE = comment("keep-alive")
 
 
 def openai_error_body(error: GatewayError) -> bytes:

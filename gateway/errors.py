@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.framing import data_event
 from gateway.secret_scan import looks_like_credential
 
 # Seconds a client should wait before retrying while the engine loads or restarts: a V100 takes
@@ -138,7 +139,7 @@ class GatewayError(Exception):
 
     def sse_event(self) -> bytes:
         """The error as one SSE ``data:`` event, for errors after a stream's headers went out."""
-        return b"data: " + self.json_bytes() + b"\n\n"
+        return data_event(self.json_bytes())
 
 
 class ClientError(GatewayError):
@@ -413,6 +414,19 @@ class EngineFailed(BadGateway):
     """502: the engine answered with a 5xx status."""
 
     kind = "status_5xx"
+
+
+class EngineAnswerTooLarge(BadGateway):
+    """502: one engine answer (a non-streamed body) or one streamed event was larger than the
+    gateway relays (``engine.max_answer_bytes``, ``engine.max_event_bytes``); the engine request
+    is aborted."""
+
+    kind = "too_large"
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(
+            f"The engine's {what} was larger than this gateway relays ({limit} bytes)."
+        )
 
 
 class GatewayTimeout(UpstreamError):

@@ -59,7 +59,12 @@ def _fail(writer: Writer, error: GatewayError) -> bytes:
 
 
 def _relay(settings: Settings, plan: RequestPlan) -> TranslatingRelay:
-    inner = SseRelay(settings.engine.model, settings.model.alias, client_wants_usage=True)
+    inner = SseRelay(
+        settings.engine.model,
+        settings.model.alias,
+        client_wants_usage=True,
+        max_event_bytes=settings.engine.max_event_bytes,
+    )
     writer = AnthropicWriter(
         settings.model.alias, input_estimate=plan.prompt_estimate, stops=_stops(plan)
     )
@@ -172,7 +177,11 @@ async def count_tokens(request: web.Request) -> web.Response:
         )
         if answer.status != 200:
             raise await answer.error()
-        raw_answer = await answer.body()
+        try:
+            raw_answer = await answer.body(settings.engine.max_answer_bytes)
+        except GatewayError:
+            answer.abort()
+            raise
         answer.release()
         try:
             count = json.loads(raw_answer)["count"]

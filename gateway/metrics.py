@@ -56,6 +56,7 @@ UPSTREAM_ERROR_KINDS = (
     "stream_error",
     "bad_response",
     "status_5xx",
+    "too_large",
 )
 RATE_LIMITS = ("requests", "tokens", "concurrency", "queue", "tokens_per_day", "tokens_per_month")
 # vLLM's usage has no reasoning count (OpenAI-compatible ``usage``): completion includes it.
@@ -192,6 +193,16 @@ class Metrics:
         self.engine_retries = Counter(
             "gateway_engine_retries",
             "Requests sent to the engine again after it died before answering a byte.",
+            registry=registry,
+        )
+        self.prompt_counts = Counter(
+            "gateway_prompt_counts",
+            "Prompts counted by the engine's /tokenize before admission (their ceiling was refused).",
+            registry=registry,
+        )
+        self.prompt_ceiling_exceeded = Counter(
+            "gateway_prompt_ceiling_exceeded",
+            "Requests whose engine prompt count exceeded the reserved prompt ceiling.",
             registry=registry,
         )
         self.engine_up = Gauge(

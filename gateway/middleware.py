@@ -141,7 +141,8 @@ def _unexpected(request: web.Request, context: RequestContext, exc: Exception) -
 
 
 def finish_request(request: web.Request, context: RequestContext) -> None:
-    """Emit the access line and the request metrics exactly once, then run the finish hooks."""
+    """Emit the access line and the request metrics exactly once, then run the finish hooks;
+    the call's plan (its bodies) is dropped after them."""
     app = request.app
     metrics = app[METRICS]
     duration = app[CLOCK]() - context.started
@@ -190,6 +191,11 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
             hook(context)
         except Exception:
             events.exception("finish_hook_failed")
+    if call is not None:
+        # The call and its context refer to each other: without this their request and engine
+        # bodies would wait for the next full garbage collection, which the gateway's gc
+        # thresholds make rare (gateway.server), and hold many requests' bodies at once.
+        call.plan = None
 
 
 @web.middleware

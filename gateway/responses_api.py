@@ -94,7 +94,12 @@ def responses_dialect(store: ResponseStore) -> Dialect:
         return writer.fail(failure_code(error), error.message)
 
     def relay(settings: Settings, plan: RequestPlan) -> TranslatingRelay:
-        inner = SseRelay(settings.engine.model, settings.model.alias, client_wants_usage=True)
+        inner = SseRelay(
+            settings.engine.model,
+            settings.model.alias,
+            client_wants_usage=True,
+            max_event_bytes=settings.engine.max_event_bytes,
+        )
         writer = ResponsesWriter(settings.model.alias, _extra(plan), on_end=keep)
         return TranslatingRelay(inner, writer, fail, KEEPALIVE_COMMENT)
 
@@ -115,6 +120,7 @@ def responses_dialect(store: ResponseStore) -> Dialect:
         error_body=responses_error_bytes,
         error_event=error_event,
         keepalive=KEEPALIVE_COMMENT,
+        store_answer=store.put_json,
     )
 
 
@@ -145,7 +151,7 @@ async def get_response(request: web.Request) -> web.Response:
     entry = store.get(tenant, response_id)
     if entry is None:
         raise _not_found(response_id)
-    return web.json_response(entry.response)
+    return web.Response(body=entry.response_json, content_type="application/json")
 
 
 async def delete_response(request: web.Request) -> web.Response:
