@@ -21,11 +21,24 @@ from engine.config import EngineConfig
 from gateway.config import Settings, load_settings
 
 
-def demo_config(workdir: Path, host: str, port: int, metrics_port: int) -> str:
+def demo_config(workdir: Path, host: str, port: int, metrics_port: int, engines: int = 1) -> str:
     """The demo's gateway.toml: a private socket, keys file and ledger under ``workdir``,
     generous limits. Written to ``workdir/gateway.toml`` so that the commands the demo prints
     (``keys add --wait``, ``usage report``) find this gateway, its keys file and its ledger with
-    ``--config`` alone."""
+    ``--config`` alone.
+
+    ``engines`` > 1: that many simulators as ``[[engines]]`` ``sim0``, ``sim1``, ... (sockets
+    ``sim0.sock``, ...), one slot each.
+    """
+    if engines > 1:
+        engine = "\n".join(
+            f'[[engines]]\nname = "sim{i}"\nsocket = {json.dumps(str(workdir / f"sim{i}.sock"))}\n'
+            for i in range(engines)
+        )
+    else:
+        engine = f"socket = {json.dumps(str(workdir / 'engine.sock'))}\n"
+    single = engine if engines == 1 else ""
+    several = engine if engines > 1 else ""
     return f"""# qwen38-gateway demo (removed on exit)
 [server]
 host = {json.dumps(host)}
@@ -38,9 +51,8 @@ host = "127.0.0.1"
 port = {metrics_port}
 
 [engine]
-socket = {json.dumps(str(workdir / "engine.sock"))}
 health_interval_s = 0.5
-
+{single}
 [auth]
 keys_file = {json.dumps(str(workdir / "api-keys.env"))}
 
@@ -53,13 +65,16 @@ tpm = 2000000
 concurrency = 8
 
 [tenants.demo]
-"""
+
+{several}"""
 
 
-def demo_settings(workdir: Path, host: str, port: int, metrics_port: int) -> Settings:
+def demo_settings(
+    workdir: Path, host: str, port: int, metrics_port: int, engines: int = 1
+) -> Settings:
     """`demo_config` written to ``workdir/gateway.toml`` and loaded from there."""
     path = workdir / "gateway.toml"
-    path.write_text(demo_config(workdir, host, port, metrics_port))
+    path.write_text(demo_config(workdir, host, port, metrics_port, engines))
     return load_settings(str(path))
 
 
@@ -96,23 +111,31 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def simulator_argv(settings: Settings, tokens_per_second: float) -> list[str]:
+def simulator_argv(
+    settings: Settings, tokens_per_second: float, socket_path: str = ""
+) -> list[str]:
     """The simulator's command line: the vLLM flags the launcher gives the real engine
     (`engine.command.build_launch`, so tools, reasoning parser and one sequence at a time
-    behave as in production), then the simulator's pace."""
+    behave as in production), then the simulator's pace; on ``socket_path`` (default: the
+    first engine's socket)."""
     engine = EngineConfig(
         program=(sys.executable, "-m", "engine.sim"),
         model_path="/models/Qwen3.8-27B-demo",
         served_model=settings.engine.model,
-        socket=settings.engine.socket,
+        socket=socket_path or settings.engine_specs[0].socket,
         max_model_len=settings.engine.max_model_len,
     )
     launch = build_launch(engine)
     return [*launch.argv, "--tokens-per-second", str(tokens_per_second)]
 
 
-def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) -> int:
-    """Start the simulator and the gateway, print a demo key and examples, run until Ctrl-C.
+def run_demo(
+    host: str, port: int, metrics_port: int, tokens_per_second: float, engines: int = 1
+) -> int:
+    """Start the simulator(s) and the gateway, print a demo key and examples, run until Ctrl-C.
+
+    ``engines``: simulators behind the gateway (``--engines N``), each its own process, socket
+    and slot, as one engine per GPU.
 
     Both ports are checked first: when one is taken, one line says which flag (``--port``,
     ``--metrics-port``) picks another, and nothing else is printed or started. Returns the
@@ -134,7 +157,7 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
         return 1
 
     workdir = Path(tempfile.mkdtemp(prefix="q38demo-", dir="/tmp"))
-    settings = demo_settings(workdir, host, port, metrics_port)
+    settings = demo_settings(workdir, host, port, metrics_port, engines)
     secret = "sk-q38-demo-" + secrets.token_urlsafe(24)
     keys_file = workdir / "api-keys.env"
     fd = os.open(keys_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -142,22 +165,28 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
         handle.write("# demo key, created by qwen38-gateway demo\n")
         handle.write(f"DEMO=demo:{secret}\n")
 
-    sim_log = workdir / "engine.log"
-    with open(sim_log, "wb") as log:
-        sim = subprocess.Popen(
-            simulator_argv(settings, tokens_per_second), stdout=subprocess.DEVNULL, stderr=log
-        )
+    sims: list[subprocess.Popen[bytes]] = []
     try:
-        if not _wait_for_socket(Path(settings.engine.socket), sim, 60.0):
-            said = sim_log.read_text(errors="replace").strip().splitlines()[-1:]
-            print(
-                "qwen38-gateway demo: the engine simulator did not start"
-                + (f": {said[0]}" if said else ""),
-                file=sys.stderr,
-            )
-            return 1
+        for spec in settings.engine_specs:
+            sim_log = workdir / f"{spec.name}.log"
+            with open(sim_log, "wb") as log:
+                sim = subprocess.Popen(
+                    simulator_argv(settings, tokens_per_second, spec.socket),
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
+            sims.append(sim)
+            if not _wait_for_socket(Path(spec.socket), sim, 60.0):
+                said = sim_log.read_text(errors="replace").strip().splitlines()[-1:]
+                print(
+                    "qwen38-gateway demo: the engine simulator did not start"
+                    + (f": {said[0]}" if said else ""),
+                    file=sys.stderr,
+                )
+                return 1
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        _print_examples(base, settings, secret, _write_key_files(workdir, secret))
+        key_files = _write_key_files(workdir, secret)
+        _print_examples(base, settings, secret, key_files, engines)
         configure_logging("info")
         install_uvloop()
         try:
@@ -165,11 +194,13 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
         except KeyboardInterrupt:
             return 0
     finally:
-        sim.terminate()
-        try:
-            sim.wait(5)
-        except subprocess.TimeoutExpired:
-            sim.kill()
+        for sim in sims:
+            sim.terminate()
+        for sim in sims:
+            try:
+                sim.wait(5)
+            except subprocess.TimeoutExpired:
+                sim.kill()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -185,15 +216,16 @@ def _write_key_files(workdir: Path, secret: str) -> tuple[Path, Path]:
 
 
 def _print_examples(
-    base: str, settings: Settings, secret: str, key_files: tuple[Path, Path]
+    base: str, settings: Settings, secret: str, key_files: tuple[Path, Path], engines: int = 1
 ) -> None:
+    what = "engine simulator" if engines == 1 else f"{engines} engine simulators"
     alias = settings.model.alias
     config = shlex.quote(str(settings.source))
     key_file, header_file = (shlex.quote(str(path)) for path in key_files)
     bash_prompt = shlex.quote("Run `ls` with the Bash tool")
     print(
         f"""
-qwen38-gateway demo: engine simulator + gateway on {base}
+qwen38-gateway demo: {what} + gateway on {base}
 API key (tenant "demo", 600 requests and 2,000,000 tokens a minute): {secret}
 Config (removed on exit, with everything below): {settings.source}
   keys file: {settings.auth.keys_file}
