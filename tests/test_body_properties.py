@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import time
 from typing import Any
 
 import httpx
@@ -11,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.body import parse_body
+from gateway.body import _suspect, parse_body
 from gateway.errors import BadRequest
 from tests.conftest import ALIAS, KEY_A, Gateway
 
@@ -74,6 +76,42 @@ def test_numbers_json_cannot_carry_are_400_or_found(value: Any, literal: str, ke
             assert exc.param == key
         return
     assert literal in ("1e400", "-1e999") and math.isinf(parsed[key])
+
+
+# What `_suspect` must find: the one regular expression it replaced.
+_SUSPECT_SPEC = re.compile(rb"\\u[dD][89a-fA-F]|[eE][+-]?\d{3}|\d{300}")
+_pieces = st.sampled_from(
+    [b"0" * 299, b"7" * 150, b"12", b"9", b"e", b"E", b"+", b"-", b"\\u", b"d8", b"DF", b"x", b" "]
+)
+
+
+@pytest.mark.fast
+@FAST
+@given(
+    raw=st.lists(_pieces, max_size=40).map(b"".join), step=st.sampled_from([5, 64, 301, 1 << 20])
+)
+def test_suspect_finds_what_the_regular_expression_finds(raw: bytes, step: int) -> None:
+    """The prefilter before the unsendable-value walk says yes exactly where the regular
+    expression ``\\u[dD][89a-fA-F]|[eE][+-]?\\d{3}|\\d{300}`` matches, across window edges."""
+    assert _suspect(raw, step) == (_SUSPECT_SPEC.search(raw) is not None)
+
+
+@pytest.mark.fast
+def test_suspect_costs_a_few_parses_on_digit_runs() -> None:
+    """A body of 299-digit runs is prefiltered in under 20 times its own `json.loads` (the
+    regular expression took 100 times: an 8 MB body held the event loop 4.7 s)."""
+    raw = json.dumps({"messages": [{"role": "user", "content": ("1" * 299 + " ") * 7000}]}).encode()
+
+    def best(run: Any) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    assert not _suspect(raw)
+    assert best(lambda: _suspect(raw)) < 20 * best(lambda: json.loads(raw))
 
 
 # --------------------------------------------------------------- the model path, random bodies
