@@ -27,7 +27,7 @@ KEY_B = "sk-q38-testBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
 KEY_C = "sk-q38-testCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 
 # The `engine` fixture (real vLLM and the simulator, started by the launcher) and its markers.
-pytest_plugins = ("tests.realengine.fixtures",)
+pytest_plugins = ("tests.realengine.fixtures", "tests.deploylive_fixtures")
 
 
 def free_port() -> int:

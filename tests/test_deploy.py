@@ -432,11 +432,14 @@ def test_gateway_unit_publishes_8000_mounts_config_directory_and_reloads_with_si
 
 
 def test_units_wait_for_the_container_health_check() -> None:
-    """ExecStartPost waits for Docker's health status of the unit's own container."""
+    """ExecStartPost waits for Docker's health status of the unit's own container, and only while
+    the main process (`docker run`) lives, so a start that fails at once fails the unit at once
+    (tests/test_deploy_live_systemd.py runs it)."""
     for role, path in UNITS.items():
         (post,) = parse_unit(path)["Service"]["ExecStartPost"]
         assert post.startswith("/bin/sh -c '")
         assert f"qwen38-{role}" in post and "State.Health.Status" in post
+        assert 'while kill -0 "$$MAINPID"' in post and post.endswith("exit 1'")
 
 
 def test_unit_variables_are_all_defined_in_units_env_example() -> None:
