@@ -10,6 +10,7 @@ cgroups); tests/README.md gives the cost.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -48,8 +49,6 @@ def owned_dir(path: Path) -> Path:
     """A directory owned by the image's user, as install.sh and tmpfiles.d make them."""
     path.mkdir(parents=True, exist_ok=True)
     path.chmod(0o750)
-    import os
-
     os.chown(path, UID, UID)
     return path
 
@@ -77,8 +76,6 @@ def test_image_runs_the_gateway_and_the_simulator_engine_both_healthy(
     keys.write_text(f"QWEN38_CACHE_SALT_SECRET={secrets.token_hex(32)}\nci=default:{secret}\n")
     for path in etc.iterdir():
         path.chmod(0o600)
-        import os
-
         os.chown(path, UID, UID)
     common = ["--network", "none", "--user", f"{UID}:{UID}", "--cap-drop", "ALL"]
     common += ["--security-opt", "no-new-privileges", "--ulimit", "nofile=20000:20000"]
@@ -124,7 +121,7 @@ def test_image_runs_the_gateway_and_the_simulator_engine_both_healthy(
             for name in ("qwen38-engine", "qwen38-gateway")
         }
         dockerd.docker("rm", "-f", "qwen38-engine", "qwen38-gateway", check=False)
-        print(logs)
+        print(logs)  # shown by pytest when the test failed
 
 
 def test_a_wrong_wheel_checksum_fails_the_build(dockerd: Dockerd, qwen38_image: BuiltImage) -> None:

@@ -139,6 +139,8 @@ def live(dockerd: Dockerd, qwen38_image: BuiltImage, bookworm_tar: Path) -> Iter
         TIMINGS["rootfs unpack"] = time.monotonic() - started
         shutil.copytree(REPO / "deploy", box.root / SRC.lstrip("/") / "deploy", symlinks=True)
         shutil.copy(REPO / "README.md", box.root / SRC.lstrip("/") / "README.md")
+        # Install step 4: the checkpoint directory (empty here: no engine can load it anyway).
+        (box.root / "srv/models/Qwen3.8-27B-QUASAR-NVFP4").mkdir(parents=True)
         wrapper = box.root / "usr/local/bin/docker"
         wrapper.write_text(NOFILE_WRAPPER)
         wrapper.chmod(0o755)
@@ -206,10 +208,12 @@ def test_tmpfiles_and_state_directories_exist_owned_by_qwen38(live: Live) -> Non
     ]
 
 
+# What install.sh lays, with times; the state directories (the running gateway writes there)
+# by mode and owner only.
 SNAPSHOT = (
     "find /etc/qwen38 /etc/systemd/system /etc/tmpfiles.d /usr/local/sbin /usr/local/share/qwen38 "
-    "/usr/local/share/doc/qwen38 /run/qwen38 /var/lib/qwen38 /var/cache/qwen38 -xdev "
-    "\\( -type f -o -type l -o -type d \\) -printf '%p %y %m %U %G %s %T@ %l\\n' | sort"
+    "/usr/local/share/doc/qwen38 -xdev -printf '%p %y %m %U %G %s %T@ %l\\n' | sort; "
+    "stat -c '%n %F %a %U %G' /run/qwen38 /var/lib/qwen38 /var/cache/qwen38"
 )
 
 
@@ -241,7 +245,8 @@ def test_engine_unit_without_an_nvidia_runtime_fails_in_seconds(live: Live) -> N
     assert elapsed < 30, elapsed
     log = journal(box, ENGINE)
     assert "docker run exited before the container was healthy" in log
-    assert re.search(r"could not select device driver|nvidia", log), log
+    # Everything up to the GPU works: the mounts exist, the image is found.
+    assert 'could not select device driver "" with capabilities: [[gpu]]' in log, log
     state = box.sh(f"systemctl show -P ActiveState -P SubState {ENGINE}").stdout.split()
     assert state in (["activating", "auto-restart"], ["failed", "failed"]), state
     live.notes["engine_reset_at"] = started
@@ -265,7 +270,8 @@ def test_gateway_unit_answers_a_model_call_from_a_simulator_engine(live: Live) -
     box = live.box
     config = engine_sim_config(box)
     box.sh(
-        "docker run -d --rm --name qwen38-sim --network none --user 10038:10038 --cap-drop ALL "
+        "docker run -d --rm --name qwen38-sim --network none --user $(id -u qwen38):$(id -g qwen38) "
+        "--cap-drop ALL "
         "--security-opt no-new-privileges --ulimit nofile=20000:20000 --log-driver none "
         f"--mount type=bind,source={config},target=/etc/qwen38/engine.toml,readonly "
         "--mount type=bind,source=/run/qwen38,target=/run/qwen38 "
@@ -283,7 +289,7 @@ def test_reload_rereads_the_keys_a_new_key_works_a_revoked_one_is_refused(live: 
     """Keys added and revoked with the installed host wrapper, then `systemctl reload`: the new
     key is accepted, the revoked one answers 401, and the gateway logged a reload on SIGHUP."""
     box = live.box
-    added = box.sh("qwen38-gateway keys add --tenant second --key-id ci_second", timeout=120)
+    added = box.sh("qwen38-gateway keys add --tenant second --id ci_second", timeout=120)
     secret = added.stdout.splitlines()[-1]
     assert secret.startswith("sk-") and secret not in added.stderr
     pid = box.prop(GATEWAY, "MainPID")
@@ -329,6 +335,7 @@ def test_stop_drains_a_stream_within_timeout_stop_sec(live: Live) -> None:
     )
     out = box.root / "root/stream.out"
     wait_for("first event", lambda: out.exists() and "data:" in out.read_text(), 30, 0.1)
+    assert "[DONE]" not in out.read_text()  # still streaming when the stop begins
     started = time.monotonic()
     box.sh(f"systemctl stop {GATEWAY}", timeout=120)
     elapsed = time.monotonic() - started
@@ -336,7 +343,9 @@ def test_stop_drains_a_stream_within_timeout_stop_sec(live: Live) -> None:
     assert elapsed < seconds(box.prop(GATEWAY, "TimeoutStopUSec")), elapsed
     assert box.prop(GATEWAY, "Result") == "success"
     wait_for("stream finished", lambda: "data: [DONE]" in out.read_text(), 30, 0.2)
-    assert '"finish_reason":"length"' in out.read_text().replace(" ", "")
+    # the whole answer (the simulator's 40 tokens end with "stop"), no error event
+    stream = out.read_text().replace(" ", "")
+    assert '"finish_reason":"stop"' in stream and '"error"' not in stream, stream[-2000:]
     box.sh(f"systemctl start {GATEWAY}", timeout=300)
     wait_for("serving after start", lambda: serving(box), 120)
 
@@ -358,6 +367,14 @@ def test_after_a_reboot_the_gateway_starts_and_run_qwen38_is_recreated(live: Liv
     live.notes["booted_at"] = time.monotonic()
 
 
+def start_limit_hit(box: Machine, unit: str) -> bool:
+    """The unit is failed for good: systemd refused a restart ("Start request repeated too
+    quickly"; systemd 252 keeps the first failure's Result, so that property does not say it)."""
+    if box.prop(unit, "ActiveState") != "failed":
+        return False
+    return "Start request repeated too quickly" in journal(box, unit, 30)
+
+
 def set_image(box: Machine, image: str) -> None:
     """QWEN38_IMAGE in /etc/qwen38/units.env."""
     box.sh(f"sed -i 's|^QWEN38_IMAGE=.*|QWEN38_IMAGE={image}|' /etc/qwen38/units.env")
@@ -367,7 +384,7 @@ def test_a_gateway_start_that_fails_at_once_fails_in_seconds_and_hits_the_start_
     live: Live,
 ) -> None:
     """An image that does not exist: each start is failed within seconds, and Restart= stops at
-    the start limit (20 starts in 300 s) with result start-limit-hit, well before TimeoutStartSec."""
+    the start limit (20 starts in 300 s), long before one TimeoutStartSec (300 s) would pass."""
     box = live.box
     set_image(box, "qwen38:missing")
     try:
@@ -381,14 +398,9 @@ def test_a_gateway_start_that_fails_at_once_fails_in_seconds_and_hits_the_start_
         burst = int(box.prop(GATEWAY, "StartLimitBurst"))
         interval_s = seconds(box.prop(GATEWAY, "StartLimitIntervalUSec"))
         with timed("gateway unit: start limit hit"):
-            wait_for(
-                "start-limit-hit",
-                lambda: box.prop(GATEWAY, "Result") == "start-limit-hit",
-                interval_s,
-                2,
-            )
-        assert box.sh(f"systemctl is-failed {GATEWAY}").stdout.strip() == "failed"
-        assert int(box.prop(GATEWAY, "NRestarts")) == burst - 1
+            wait_for("the start limit", lambda: start_limit_hit(box, GATEWAY), interval_s, 2)
+        # the first start and burst - 1 restarts ran; the next restart was refused
+        assert int(box.prop(GATEWAY, "NRestarts")) == burst
     finally:
         set_image(box, live.image)
         box.sh(
@@ -398,18 +410,13 @@ def test_a_gateway_start_that_fails_at_once_fails_in_seconds_and_hits_the_start_
 
 def test_the_engine_unit_stops_at_its_start_limit(live: Live) -> None:
     """Without an NVIDIA runtime the engine unit fails each start at once: after StartLimitBurst
-    starts within StartLimitIntervalSec it stays failed with result start-limit-hit."""
+    starts within StartLimitIntervalSec systemd refuses the next restart and it stays failed."""
     box = live.box
     burst = int(box.prop(ENGINE, "StartLimitBurst"))
     restart_s = seconds(box.prop(ENGINE, "RestartUSec"))
     # Counting from the last boot: each attempt is RestartSec plus a few seconds of failing.
     budget = burst * (restart_s + 15)
     elapsed = time.monotonic() - live.notes["booted_at"]
-    wait_for(
-        "engine start-limit-hit",
-        lambda: box.prop(ENGINE, "Result") == "start-limit-hit",
-        max(budget - elapsed, 30),
-        2,
-    )
-    assert box.sh(f"systemctl is-failed {ENGINE}").stdout.strip() == "failed"
-    assert int(box.prop(ENGINE, "NRestarts")) == burst - 1
+    wait_for("the start limit", lambda: start_limit_hit(box, ENGINE), max(budget - elapsed, 30), 2)
+    TIMINGS["engine unit: boot to start limit hit"] = time.monotonic() - live.notes["booted_at"]
+    assert int(box.prop(ENGINE, "NRestarts")) == burst
