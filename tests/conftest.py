@@ -26,8 +26,16 @@ KEY_A = "sk-q38-testAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 KEY_B = "sk-q38-testBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
 KEY_C = "sk-q38-testCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 
-# The `engine` fixture (real vLLM and the simulator, started by the launcher) and its markers.
-pytest_plugins = ("tests.realengine.fixtures", "tests.deploylive_fixtures")
+# The `engine` fixture (real vLLM and the simulator, started by the launcher) and its markers;
+# the layers (`fast`, `slow`) and the grouping of files under pytest-xdist.
+# pytester runs pytest in-process on generated files (tests/test_layers.py); the live deployment
+# tests' session fixtures (Docker, root filesystems, the image: tests/deploylive_fixtures.py).
+pytest_plugins = (
+    "tests.layers",
+    "tests.realengine.fixtures",
+    "pytester",
+    "tests.deploylive_fixtures",
+)
 
 
 def free_port() -> int:
@@ -232,6 +240,7 @@ def start_gateway(
                 base["tenants"].setdefault(tenant, {}).update(table)
         else:
             base.setdefault(section, {}).update(values)
+    port, metrics_port = base["server"]["port"], base["metrics"]["port"]  # a test may fix them
     config_path = workdir / f"{name}.toml"
     config_path.write_text(to_toml(base))
     log_path = workdir / f"{name}.log"

@@ -3,6 +3,7 @@ Debian 12 root filesystem, and a table of how long each phase took (printed afte
 
 from __future__ import annotations
 
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -51,12 +52,19 @@ class BuiltImage:
     standins: Path = field(default_factory=Path)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="session")
 def deploy_host() -> None:
-    """Skip (one line) where this host cannot boot systemd-nspawn or run dockerd."""
+    """Skip (one line) where this host cannot boot systemd-nspawn or run dockerd. A SIGTERM to
+    this pytest process becomes an interrupt, so the finalizers still stop what was started."""
     problem = host_problem()
     if problem:
         pytest.skip(f"live deployment tests need a root host with cgroups and nspawn: {problem}")
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")

@@ -110,7 +110,7 @@ def private_dockerd(data_root: Path | None = None) -> Iterator[Dockerd]:
     root = docker_root()
     data = data_root or CACHE / "docker-data"
     with locked("docker-data"):
-        run_dir = Path(tempfile.mkdtemp(prefix="q38d-", dir="/tmp"))
+        run_dir = Path(tempfile.mkdtemp(prefix="q38dock-", dir="/tmp"))
         config = run_dir / "config"
         (config / "cli-plugins").mkdir(parents=True)
         buildx = root / "usr/libexec/docker/cli-plugins/docker-buildx"

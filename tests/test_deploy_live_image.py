@@ -22,7 +22,13 @@ from tests.dockerhost import Dockerd, build_image
 
 REPO = Path(__file__).resolve().parent.parent
 UID = 10038
-pytestmark = pytest.mark.timeout(1800)
+# The first build takes minutes (prepared in the background by .ci/setup.d/20-deploy-live.sh);
+# one worker for both live deployment files (one private dockerd per data root).
+pytestmark = [
+    pytest.mark.slow(120),
+    pytest.mark.xdist_group("deploy-live"),
+    pytest.mark.timeout(1800),
+]
 
 
 def health(daemon: Dockerd, name: str) -> str:

@@ -3,8 +3,9 @@ root, Docker 26 inside, ``deploy/install.sh`` run live, the image built by
 test_deploy_live_image.py's fixture loaded into it.
 
 The tests of this module run in order on one booted machine: install, serve, a second install,
-the engine's failing start, reload, ``kill -9``, drain, reboot, a failing gateway start, and the
-start limits. The engine unit cannot run here (no NVIDIA runtime): it fails at its ``docker run
+the engine's failing start, reload, ``kill -9``, drain, reboot, the engine's start limit, a
+failing gateway start and its start limit (last: each gateway start also starts the engine unit,
+its Wants=, so it would spend the engine's start limit). The engine unit cannot run here (no NVIDIA runtime): it fails at its ``docker run
 --gpus``; a simulator engine is started by hand in the same image with the unit's flags but
 ``--gpus`` so the gateway unit has an engine to answer from. Host workaround (this machine only:
 no CAP_SYS_RESOURCE, ``nofile`` hard limit 20,000): a ``docker`` wrapper first in PATH lowers the
@@ -32,7 +33,13 @@ SRC = "/srv/qwen38-src"
 GPU = "GPU-0badc0de-0000-4000-8000-000000000001"
 GATEWAY = "qwen38-gateway.service"
 ENGINE = "qwen38-engine.service"
-pytestmark = pytest.mark.timeout(900)
+# Minutes, most of it waiting (boots, restarts, the start limits): beside the other files under
+# xdist; one worker for both live deployment files (one private dockerd per data root).
+pytestmark = [
+    pytest.mark.slow(420),
+    pytest.mark.xdist_group("deploy-live"),
+    pytest.mark.timeout(1800),  # the first test also waits for the shared fixtures
+]
 
 NOFILE_WRAPPER = """#!/bin/sh
 # Test host only: no CAP_SYS_RESOURCE and a nofile hard limit of 20,000, so the units'
@@ -367,12 +374,27 @@ def test_after_a_reboot_the_gateway_starts_and_run_qwen38_is_recreated(live: Liv
     live.notes["booted_at"] = time.monotonic()
 
 
+def test_the_engine_unit_stops_at_its_start_limit(live: Live) -> None:
+    """Without an NVIDIA runtime the engine unit fails each start at once: after StartLimitBurst
+    starts within StartLimitIntervalSec systemd refuses the next restart and it stays failed."""
+    box = live.box
+    burst = int(box.prop(ENGINE, "StartLimitBurst"))
+    restart_s = seconds(box.prop(ENGINE, "RestartUSec"))
+    # Counting from the last boot: each attempt is RestartSec plus a few seconds of failing.
+    budget = burst * (restart_s + 15)
+    elapsed = time.monotonic() - live.notes["booted_at"]
+    wait_for("the start limit", lambda: start_limit_hit(box, ENGINE), max(budget - elapsed, 30), 2)
+    TIMINGS["engine unit: boot to start limit hit"] = time.monotonic() - live.notes["booted_at"]
+    assert int(box.prop(ENGINE, "NRestarts")) == burst
+
+
 def start_limit_hit(box: Machine, unit: str) -> bool:
     """The unit is failed for good: systemd refused a restart ("Start request repeated too
     quickly"; systemd 252 keeps the first failure's Result, so that property does not say it)."""
     if box.prop(unit, "ActiveState") != "failed":
         return False
-    return "Start request repeated too quickly" in journal(box, unit, 30)
+    this_boot = box.sh(f"journalctl -b -u {unit} --no-pager -n 30 -o cat", check=False).stdout
+    return "Start request repeated too quickly" in this_boot
 
 
 def set_image(box: Machine, image: str) -> None:
@@ -406,17 +428,3 @@ def test_a_gateway_start_that_fails_at_once_fails_in_seconds_and_hits_the_start_
         box.sh(
             f"systemctl reset-failed {GATEWAY}; systemctl start {GATEWAY}", check=False, timeout=300
         )
-
-
-def test_the_engine_unit_stops_at_its_start_limit(live: Live) -> None:
-    """Without an NVIDIA runtime the engine unit fails each start at once: after StartLimitBurst
-    starts within StartLimitIntervalSec systemd refuses the next restart and it stays failed."""
-    box = live.box
-    burst = int(box.prop(ENGINE, "StartLimitBurst"))
-    restart_s = seconds(box.prop(ENGINE, "RestartUSec"))
-    # Counting from the last boot: each attempt is RestartSec plus a few seconds of failing.
-    budget = burst * (restart_s + 15)
-    elapsed = time.monotonic() - live.notes["booted_at"]
-    wait_for("the start limit", lambda: start_limit_hit(box, ENGINE), max(budget - elapsed, 30), 2)
-    TIMINGS["engine unit: boot to start limit hit"] = time.monotonic() - live.notes["booted_at"]
-    assert int(box.prop(ENGINE, "NRestarts")) == burst
