@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Live deployment tests (tests/test_deploy_live_*.py, tests/README.md "Live deployment tests"):
 # Docker 26 from Debian trixie's packages, the Debian 12 and Ubuntu 24.04 root filesystems and the
 # image, built by `python -m tests.deploy_prepare` in the background while pytest starts, and
