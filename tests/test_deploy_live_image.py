@@ -105,6 +105,19 @@ def test_image_runs_the_gateway_and_the_simulator_engine_both_healthy(
         with timed("image: gateway healthy"):
             wait_healthy(dockerd, "qwen38-gateway", 180)
         assert (run / "engine.ready").exists()
+
+        def ready() -> bool:
+            probe = dockerd.docker(
+                "exec", "qwen38-gateway", "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                "http://127.0.0.1:8000/ready", check=False,
+            )  # fmt: skip
+            return probe.stdout == "200"
+
+        with timed("image: gateway /ready 200"):
+            deadline = time.monotonic() + 60
+            while not ready():
+                assert time.monotonic() < deadline, "gateway /ready not 200 within 60 s"
+                time.sleep(0.5)
         body = json.dumps({"model": "qwen3.8-27b", "messages": [{"role": "user", "content": "hi"}]})
         # The secret goes in on standard input (curl -K -), never on a command line.
         answer = dockerd.docker(
