@@ -118,7 +118,7 @@ install -d -m 0755 "$unit_dir" "$tmpfiles_dir" "$sbin_dir" "$share_dir" "$doc_di
 # install -C leaves a file that is already the same (content, mode, owner) untouched, times
 # included, so a second run changes nothing.
 units_changed=0
-for unit in qwen38-engine.service qwen38-gateway.service; do
+for unit in qwen38-engine.service qwen38-engine@.service qwen38-gateway.service; do
     if ! cmp -s "$here/systemd/$unit" "$unit_dir/$unit"; then
         units_changed=1
     fi

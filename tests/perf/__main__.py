@@ -9,7 +9,9 @@ Sections (``--only`` picks some; default all but ``profile``):
 - ``busy``: one engine slot at 1,000 tokens/s, four tenants' backlog: engine busy fraction,
   hand-over gap, Jain's fairness index, a short request's wait behind long ones
   (`tests.perf.busy`);
-- ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised.
+- ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised;
+- ``fleet``: four engines at 30 tokens/s behind one gateway, eight tenants of agent sessions:
+  busy, slots, fairness, session affinity, failover (`tests.perf.fleet`; not in the default run).
 
 Each of direct, nginx and gateway is measured in turn at each concurrency, the sequence repeated
 ``--rounds`` times (default 3), and the medians are reported. Everything runs on loopback and Unix
@@ -33,6 +35,7 @@ import aiohttp
 from tests.perf.bench import Row, measure, medians, run_profile, save, table
 from tests.perf.busy import BusyResults, run_busy
 from tests.perf.busy_report import busy_report
+from tests.perf.fleet import FleetResult, fleet_report, run_fleet
 from tests.perf.loadgen import raise_open_files_limit
 from tests.perf.nginx import find_nginx
 from tests.perf.profile import find_py_spy, recording, summarise
@@ -43,7 +46,9 @@ from tests.perf.targets import verdicts
 FAST = Profile("fast", "0 ms per token, 256 tokens an answer", 0.0, 256, (1, 32, 256))
 PACED = Profile("paced", "25 ms per token (40 tokens/s), 64 tokens", 40.0, 64, (1, 32, 64, 256))
 SECTIONS = ("fast", "paced", "limits", "slow", "busy")
-EXTRA_SECTIONS = ("profile", "ledger")
+EXTRA_SECTIONS = ("profile", "ledger", "fleet")
+# fleet: measured window (s).
+FLEET_WINDOW_S, QUICK_FLEET_WINDOW_S = 60.0, 20.0
 SLOW_STREAMS, SLOW_TOKENS = 2000, 25
 QUICK_SLOW_STREAMS, QUICK_SLOW_TOKENS = 500, 8
 # busy: measured window of each backlog run (s) and short probes behind the long backlog.
@@ -137,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="q38perf-", dir="/tmp"))
     os.chmod(workdir, 0o700)
     report = [header(nginx_binary, rounds, args.quick), ""]
-    if only <= {"busy"}:  # the relay settings in the header do not apply to this section
+    if only <= {"busy", "fleet"}:  # the relay settings in the header do not apply to this section
         report = [*report[0].splitlines()[:4], ""]
     rows: list[Row] = []
     slow: list[SlowResult] = []
     busy: BusyResults | None = None
+    fleet: FleetResult | None = None
     try:
         for profile in (FAST, PACED):
             extras = [
@@ -192,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                 probes=QUICK_BUSY_PROBES if args.quick else BUSY_PROBES,
                 progress=_progress,
             )
+        if "fleet" in only:
+            window = QUICK_FLEET_WINDOW_S if args.quick else FLEET_WINDOW_S
+            fleet = run_fleet(workdir / "fleet", window, progress=_progress)
         profile_text = run_profile_section(workdir, args.quick) if "profile" in only else ""
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -215,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     if busy is not None:
         report += ["## One engine slot: busy and fair", ""]
         report += busy_report(busy)
+    if fleet is not None:
+        report += ["## Several engines behind one gateway", ""]
+        report += fleet_report(fleet)
     if profile_text:
         report += ["", "## Profile", "", profile_text]
     print("\n".join(report))
