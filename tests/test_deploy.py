@@ -435,10 +435,14 @@ def test_units_wait_for_the_container_health_check() -> None:
     """ExecStartPost waits for Docker's health status of the unit's own container, and only while
     the main process (`docker run`) lives, so a start that fails at once fails the unit at once
     (tests/test_deploy_live_systemd.py runs it)."""
-    for role, path in UNITS.items():
+    template = DEPLOY / "systemd" / "qwen38-engine@.service"
+    for name, path in [
+        *((f"qwen38-{r}", p) for r, p in UNITS.items()),
+        ("qwen38-engine-%i", template),
+    ]:
         (post,) = parse_unit(path)["Service"]["ExecStartPost"]
         assert post.startswith("/bin/sh -c '")
-        assert f"qwen38-{role}" in post and "State.Health.Status" in post
+        assert f"{name} " in post and "State.Health.Status" in post
         assert 'while kill -0 "$$MAINPID"' in post and post.endswith("exit 1'")
 
 

@@ -259,6 +259,27 @@ def test_engine_unit_without_an_nvidia_runtime_fails_in_seconds(live: Live) -> N
     live.notes["engine_reset_at"] = started
 
 
+def test_an_engine_template_instance_without_an_nvidia_runtime_fails_in_seconds(live: Live) -> None:
+    """qwen38-engine@gpu1 (the template for several cards) with its own engine file and card:
+    its failing `docker run --gpus` fails the instance within seconds too."""
+    box = live.box
+    box.sh(
+        "install -d -m 0750 -o qwen38 -g qwen38 /etc/qwen38/engines && "
+        "install -m 0640 -o qwen38 -g qwen38 /etc/qwen38/engine.toml /etc/qwen38/engines/gpu1.toml && "
+        f"echo QWEN38_GPU={GPU[:-1]}2 >/etc/qwen38/engines/gpu1.env"
+    )
+    instance = "qwen38-engine@gpu1.service"
+    started = time.monotonic()
+    start = box.sh(f"systemctl start {instance}", check=False, timeout=120)
+    elapsed = time.monotonic() - started
+    TIMINGS["engine template instance: failing start to failed"] = elapsed
+    log = journal(box, instance)
+    box.sh(f"systemctl stop {instance}; systemctl reset-failed {instance}", check=False)
+    assert start.returncode != 0 and elapsed < 30, (elapsed, log)
+    assert "qwen38-engine-gpu1: docker run exited before the container was healthy" in log
+    assert 'could not select device driver "" with capabilities: [[gpu]]' in log, log
+
+
 def engine_sim_config(box: Machine) -> str:
     """engine.toml with the simulator as the engine program, beside the operator's file."""
     text = (box.root / "etc/qwen38/engine.toml").read_text()
