@@ -2,8 +2,8 @@
 
 Docker 26, the Ubuntu 24.04 and Debian 12 root filesystems (side by side), ``ubuntu:24.04``
 imported into the private dockerd and the image built with the stand-ins, so the tests find
-everything cached (tests/deploylive.py, tests/dockerhost.py). ``.ci/run`` starts it in the
-background while pip installs; a second run finds the cache and takes seconds.
+everything cached (tests/deploylive.py, tests/dockerhost.py). ``.ci/setup.d/20-deploy-live.sh``
+starts it in the background as pytest starts; a second run finds the cache and takes seconds.
 
 Exit status: 0 when built, or when this host cannot run the tests at all (it says why in one
 line; the tests skip with the same line); 1 when a step failed, with what is missing and how to

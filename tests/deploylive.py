@@ -15,9 +15,9 @@ changed recipe builds anew and a reused machine reuses the rest:
   networking off, and the cgroup v1 controllers remounted writable at boot (Docker needs them).
 - ``docker-data/``: the host-side dockerd's data root (``ubuntu:24.04`` and the build cache).
 
-``python -m tests.deploy_prepare`` builds all of it and the image (``.ci/run`` starts it in the
-background beside the pip installs); the tests' fixtures call the same functions, which wait on
-a lock while another process builds. A step that cannot run says what is missing and how to
+``python -m tests.deploy_prepare`` builds all of it and the image (``.ci/setup.d/20-deploy-live.sh``
+starts it in the background); the tests' fixtures call the same functions, which wait on a lock
+while another process builds. A step that cannot run says what is missing and how to
 get it.
 """
 
