@@ -13,33 +13,43 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from engine.command import build_launch
 from engine.config import EngineConfig
 from gateway.config import Settings, parse_settings
 
 
-def demo_settings(workdir: Path, host: str, port: int, metrics_port: int) -> Settings:
-    """Settings for the demo: a private socket and keys file under ``workdir``, generous limits."""
-    return parse_settings(
-        {
-            "server": {
-                "host": host,
-                "port": port,
-                "shutdown_grace_s": 2.0,
-                "plain_http": True,
-            },
-            "metrics": {"host": "127.0.0.1", "port": metrics_port},
-            "engine": {"socket": str(workdir / "engine.sock"), "health_interval_s": 0.5},
-            "auth": {"keys_file": str(workdir / "api-keys.env")},
-            "ledger": {"path": str(workdir / "usage.sqlite3")},
-            "tenants": {
-                "default": {"rpm": 600, "tpm": 2_000_000, "concurrency": 8},
-                "demo": {},
-            },
+def demo_settings(
+    workdir: Path, host: str, port: int, metrics_port: int, engines: int = 1
+) -> Settings:
+    """Settings for the demo: a private socket and keys file under ``workdir``, generous limits.
+
+    ``engines`` > 1: that many simulators as ``[[engines]]`` ``sim0``, ``sim1``, ... (sockets
+    ``sim0.sock``, ...), one slot each.
+    """
+    data: dict[str, Any] = {
+        "server": {
+            "host": host,
+            "port": port,
+            "shutdown_grace_s": 2.0,
+            "plain_http": True,
         },
-        source=None,
-    )
+        "metrics": {"host": "127.0.0.1", "port": metrics_port},
+        "engine": {"socket": str(workdir / "engine.sock"), "health_interval_s": 0.5},
+        "auth": {"keys_file": str(workdir / "api-keys.env")},
+        "ledger": {"path": str(workdir / "usage.sqlite3")},
+        "tenants": {
+            "default": {"rpm": 600, "tpm": 2_000_000, "concurrency": 8},
+            "demo": {},
+        },
+    }
+    if engines > 1:
+        del data["engine"]["socket"]
+        data["engines"] = [
+            {"name": f"sim{i}", "socket": str(workdir / f"sim{i}.sock")} for i in range(engines)
+        ]
+    return parse_settings(data, source=None)
 
 
 def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> bool:
@@ -75,23 +85,31 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def simulator_argv(settings: Settings, tokens_per_second: float) -> list[str]:
+def simulator_argv(
+    settings: Settings, tokens_per_second: float, socket_path: str = ""
+) -> list[str]:
     """The simulator's command line: the vLLM flags the launcher gives the real engine
     (`engine.command.build_launch`, so tools, reasoning parser and one sequence at a time
-    behave as in production), then the simulator's pace."""
+    behave as in production), then the simulator's pace; on ``socket_path`` (default: the
+    first engine's socket)."""
     engine = EngineConfig(
         program=(sys.executable, "-m", "engine.sim"),
         model_path="/models/Qwen3.8-27B-demo",
         served_model=settings.engine.model,
-        socket=settings.engine.socket,
+        socket=socket_path or settings.engine_specs[0].socket,
         max_model_len=settings.engine.max_model_len,
     )
     launch = build_launch(engine)
     return [*launch.argv, "--tokens-per-second", str(tokens_per_second)]
 
 
-def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) -> int:
-    """Start the simulator and the gateway, print a demo key and examples, run until Ctrl-C.
+def run_demo(
+    host: str, port: int, metrics_port: int, tokens_per_second: float, engines: int = 1
+) -> int:
+    """Start the simulator(s) and the gateway, print a demo key and examples, run until Ctrl-C.
+
+    ``engines``: simulators behind the gateway (``--engines N``), each its own process, socket
+    and slot, as one engine per GPU.
 
     Both ports are checked first: when one is taken, one line says which flag (``--port``,
     ``--metrics-port``) picks another, and nothing else is printed or started. Returns the
@@ -113,7 +131,7 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
         return 1
 
     workdir = Path(tempfile.mkdtemp(prefix="q38demo-", dir="/tmp"))
-    settings = demo_settings(workdir, host, port, metrics_port)
+    settings = demo_settings(workdir, host, port, metrics_port, engines)
     secret = "sk-q38-demo-" + secrets.token_urlsafe(24)
     keys_file = workdir / "api-keys.env"
     fd = os.open(keys_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -121,22 +139,27 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
         handle.write("# demo key, created by qwen38-gateway demo\n")
         handle.write(f"DEMO=demo:{secret}\n")
 
-    sim_log = workdir / "engine.log"
-    with open(sim_log, "wb") as log:
-        sim = subprocess.Popen(
-            simulator_argv(settings, tokens_per_second), stdout=subprocess.DEVNULL, stderr=log
-        )
+    sims: list[subprocess.Popen[bytes]] = []
     try:
-        if not _wait_for_socket(Path(settings.engine.socket), sim, 20.0):
-            said = sim_log.read_text(errors="replace").strip().splitlines()[-1:]
-            print(
-                "qwen38-gateway demo: the engine simulator did not start"
-                + (f": {said[0]}" if said else ""),
-                file=sys.stderr,
-            )
-            return 1
+        for spec in settings.engine_specs:
+            sim_log = workdir / f"{spec.name}.log"
+            with open(sim_log, "wb") as log:
+                sim = subprocess.Popen(
+                    simulator_argv(settings, tokens_per_second, spec.socket),
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
+            sims.append(sim)
+            if not _wait_for_socket(Path(spec.socket), sim, 20.0):
+                said = sim_log.read_text(errors="replace").strip().splitlines()[-1:]
+                print(
+                    "qwen38-gateway demo: the engine simulator did not start"
+                    + (f": {said[0]}" if said else ""),
+                    file=sys.stderr,
+                )
+                return 1
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        _print_examples(base, settings.model.alias, secret, metrics_port, keys_file)
+        _print_examples(base, settings.model.alias, secret, metrics_port, keys_file, engines)
         configure_logging("info")
         install_uvloop()
         try:
@@ -144,18 +167,23 @@ def run_demo(host: str, port: int, metrics_port: int, tokens_per_second: float) 
         except KeyboardInterrupt:
             return 0
     finally:
-        sim.terminate()
-        try:
-            sim.wait(5)
-        except subprocess.TimeoutExpired:
-            sim.kill()
+        for sim in sims:
+            sim.terminate()
+        for sim in sims:
+            try:
+                sim.wait(5)
+            except subprocess.TimeoutExpired:
+                sim.kill()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _print_examples(base: str, alias: str, secret: str, metrics_port: int, keys_file: Path) -> None:
+def _print_examples(
+    base: str, alias: str, secret: str, metrics_port: int, keys_file: Path, engines: int = 1
+) -> None:
+    what = "engine simulator" if engines == 1 else f"{engines} engine simulators"
     print(
         f"""
-qwen38-gateway demo: engine simulator + gateway on {base}
+qwen38-gateway demo: {what} + gateway on {base}
 API key (tenant "demo", 600 requests and 2,000,000 tokens a minute): {secret}
 Keys file (removed on exit): {keys_file}
   try: qwen38-gateway keys add --tenant demo --keys-file {keys_file}

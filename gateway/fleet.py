@@ -22,7 +22,6 @@ found held by another gateway is logged (``engine_lease_lost``) and shows as
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import socket
 from collections.abc import Sequence
@@ -218,9 +217,9 @@ class EngineLeases:
     async def release(self, names: Sequence[str] | None = None) -> None:
         """Stop renewing and delete the leases still this gateway's; never raises."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.1)
             self._task = None
         for name in list(names if names is not None else self.held):
             try:
