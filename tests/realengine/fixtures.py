@@ -26,6 +26,7 @@ from tests.realengine.launcher import (
     MAX_MODEL_LEN,
     PYTHON_ENV,
     SKIP_ENV,
+    EngineStartFailed,
     EngineUnavailable,
     LaunchedEngine,
     check_engine_python,
@@ -104,7 +105,12 @@ def real_engine() -> Iterator[LaunchedEngine]:
     except EngineUnavailable as exc:
         pytest.fail(f"real engine unavailable ({PYTHON_ENV}): {exc}", pytrace=False)
     workdir = _workdir("q38re-")
-    engine = launch("real", workdir, python)
+    try:
+        engine = launch("real", workdir, python)
+    except EngineStartFailed as exc:
+        # The engine's own line first (e.g. vLLM's NotImplementedError), not only the
+        # launcher's "engine exited with code 1"; the log stays for a look.
+        pytest.fail(str(exc), pytrace=False)
     try:
         yield engine
     finally:
