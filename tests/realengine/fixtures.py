@@ -35,6 +35,9 @@ from tests.realengine.launcher import (
 )
 
 ENGINE_KINDS = ("sim", "real")
+# pytest-timeout's bound of a real-engine test: the engine's start_timeout_s (300 s) and two
+# minutes for the test itself.
+REAL_ENGINE_TEST_TIMEOUT_S = 420
 
 
 def real_engine_skipped() -> bool:
@@ -70,6 +73,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         kind = callspec.params.get("engine") if callspec is not None else None
         if is_real_engine_item(item):
             item.add_marker(pytest.mark.real_engine)
+            if item.get_closest_marker("timeout") is None:
+                # The first real-engine test of a worker pays for the engine's start (under
+                # supervise.start_timeout_s, 300 s), which setup.cfg's 120 s would cut short.
+                item.add_marker(pytest.mark.timeout(REAL_ENGINE_TEST_TIMEOUT_S))
         pending = item.get_closest_marker("sim_pending")
         if kind == "sim" and pending is not None:
             reason = pending.args[0] if pending.args else "simulator differs from real vLLM"
