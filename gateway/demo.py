@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 import secrets
+import shlex
 import shutil
 import socket
 import subprocess
@@ -13,43 +15,67 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from engine.command import build_launch
 from engine.config import EngineConfig
-from gateway.config import Settings, parse_settings
+from gateway.config import Settings, load_settings
+
+
+def demo_config(workdir: Path, host: str, port: int, metrics_port: int, engines: int = 1) -> str:
+    """The demo's gateway.toml: a private socket, keys file and ledger under ``workdir``,
+    generous limits. Written to ``workdir/gateway.toml`` so that the commands the demo prints
+    (``keys add --wait``, ``usage report``) find this gateway, its keys file and its ledger with
+    ``--config`` alone.
+
+    ``engines`` > 1: that many simulators as ``[[engines]]`` ``sim0``, ``sim1``, ... (sockets
+    ``sim0.sock``, ...), one slot each.
+    """
+    if engines > 1:
+        engine = "\n".join(
+            f'[[engines]]\nname = "sim{i}"\nsocket = {json.dumps(str(workdir / f"sim{i}.sock"))}\n'
+            for i in range(engines)
+        )
+    else:
+        engine = f"socket = {json.dumps(str(workdir / 'engine.sock'))}\n"
+    single = engine if engines == 1 else ""
+    several = engine if engines > 1 else ""
+    return f"""# qwen38-gateway demo (removed on exit)
+[server]
+host = {json.dumps(host)}
+port = {port}
+shutdown_grace_s = 2.0
+plain_http = true
+
+[metrics]
+host = "127.0.0.1"
+port = {metrics_port}
+
+[engine]
+health_interval_s = 0.5
+{single}
+[auth]
+keys_file = {json.dumps(str(workdir / "api-keys.env"))}
+
+[ledger]
+path = {json.dumps(str(workdir / "usage.sqlite3"))}
+
+[tenants.default]
+rpm = 600
+tpm = 2000000
+concurrency = 8
+
+[tenants.demo]
+
+{several}"""
 
 
 def demo_settings(
     workdir: Path, host: str, port: int, metrics_port: int, engines: int = 1
 ) -> Settings:
-    """Settings for the demo: a private socket and keys file under ``workdir``, generous limits.
-
-    ``engines`` > 1: that many simulators as ``[[engines]]`` ``sim0``, ``sim1``, ... (sockets
-    ``sim0.sock``, ...), one slot each.
-    """
-    data: dict[str, Any] = {
-        "server": {
-            "host": host,
-            "port": port,
-            "shutdown_grace_s": 2.0,
-            "plain_http": True,
-        },
-        "metrics": {"host": "127.0.0.1", "port": metrics_port},
-        "engine": {"socket": str(workdir / "engine.sock"), "health_interval_s": 0.5},
-        "auth": {"keys_file": str(workdir / "api-keys.env")},
-        "ledger": {"path": str(workdir / "usage.sqlite3")},
-        "tenants": {
-            "default": {"rpm": 600, "tpm": 2_000_000, "concurrency": 8},
-            "demo": {},
-        },
-    }
-    if engines > 1:
-        del data["engine"]["socket"]
-        data["engines"] = [
-            {"name": f"sim{i}", "socket": str(workdir / f"sim{i}.sock")} for i in range(engines)
-        ]
-    return parse_settings(data, source=None)
+    """`demo_config` written to ``workdir/gateway.toml`` and loaded from there."""
+    path = workdir / "gateway.toml"
+    path.write_text(demo_config(workdir, host, port, metrics_port, engines))
+    return load_settings(str(path))
 
 
 def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> bool:
@@ -150,7 +176,7 @@ def run_demo(
                     stderr=log,
                 )
             sims.append(sim)
-            if not _wait_for_socket(Path(spec.socket), sim, 20.0):
+            if not _wait_for_socket(Path(spec.socket), sim, 60.0):
                 said = sim_log.read_text(errors="replace").strip().splitlines()[-1:]
                 print(
                     "qwen38-gateway demo: the engine simulator did not start"
@@ -159,7 +185,8 @@ def run_demo(
                 )
                 return 1
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        _print_examples(base, settings.model.alias, secret, metrics_port, keys_file, engines)
+        key_files = _write_key_files(workdir, secret)
+        _print_examples(base, settings, secret, key_files, engines)
         configure_logging("info")
         install_uvloop()
         try:
@@ -177,35 +204,61 @@ def run_demo(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _write_key_files(workdir: Path, secret: str) -> tuple[Path, Path]:
+    """The demo key in two 0600 files: the key alone, and curl's ``-H @file`` header line, so
+    the printed commands never carry it on a command line (``ps``, shell history)."""
+    paths = (workdir / "api-key", workdir / "auth-header")
+    for path, text in zip(paths, (secret, f"Authorization: Bearer {secret}"), strict=True):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text + "\n")
+    return paths
+
+
 def _print_examples(
-    base: str, alias: str, secret: str, metrics_port: int, keys_file: Path, engines: int = 1
+    base: str, settings: Settings, secret: str, key_files: tuple[Path, Path], engines: int = 1
 ) -> None:
     what = "engine simulator" if engines == 1 else f"{engines} engine simulators"
+    alias = settings.model.alias
+    config = shlex.quote(str(settings.source))
+    key_file, header_file = (shlex.quote(str(path)) for path in key_files)
+    bash_prompt = shlex.quote("Run `ls` with the Bash tool")
     print(
         f"""
 qwen38-gateway demo: {what} + gateway on {base}
 API key (tenant "demo", 600 requests and 2,000,000 tokens a minute): {secret}
-Keys file (removed on exit): {keys_file}
-  try: qwen38-gateway keys add --tenant demo --keys-file {keys_file}
+Config (removed on exit, with everything below): {settings.source}
+  keys file: {settings.auth.keys_file}
+  ledger:    {settings.ledger.path}
+  key:       {key_files[0]} (the key alone), {key_files[1]} (curl's header line)
 
-curl (streaming, thinking on by default):
-  curl -N {base}/v1/chat/completions \\
-    -H "Authorization: Bearer {secret}" -H "Content-Type: application/json" \\
+Commands against this demo (--config names its port, keys file and ledger):
+  qwen38-gateway keys add --tenant demo --config {config} --wait
+  qwen38-gateway usage report --config {config}
+
+curl (streaming, thinking on by default; the key read from a file, not on the command line):
+  curl -N {base}/v1/chat/completions -H @{header_file} -H "Content-Type: application/json" \\
     -d '{{"model": "{alias}", "stream": true, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
 Python (pip install openai):
   from openai import OpenAI
-  client = OpenAI(base_url="{base}/v1", api_key="{secret}")
+  client = OpenAI(base_url="{base}/v1", api_key=open({str(key_files[0])!r}).read().strip())
   r = client.chat.completions.create(model="{alias}",
       messages=[{{"role": "user", "content": "Hello!"}}],
       extra_body={{"chat_template_kwargs": {{"enable_thinking": False}}}})
   print(r.choices[0].message.content)
 
-Tool calling works as in production (the simulator runs with the launcher's vLLM flags): give
-`tools` and the simulated model calls the first one (or the named one) with arguments that fit
-its parameters, then answers in text once it gets the tool result.
+Claude Code (README, Clients): the simulated model calls the tool the prompt names, a shell
+tool (Bash) otherwise, with the `quoted` text as its command:
+  ANTHROPIC_BASE_URL={base} ANTHROPIC_AUTH_TOKEN=$(cat {key_file}) ANTHROPIC_MODEL={alias} \\
+    claude -p {bash_prompt} --allowedTools Bash --output-format json
 
-Metrics: curl http://127.0.0.1:{metrics_port}/metrics    Readiness: curl {base}/ready
+Tool calling works as in production (the simulator runs with the launcher's vLLM flags): give
+`tools` and the simulated model calls one (named in the prompt, else a shell tool, else the
+first; or the one `tool_choice` names) with arguments that fit its parameters, then answers in
+text once it gets the tool result.
+
+Metrics: curl http://127.0.0.1:{settings.metrics.port}/metrics    Readiness: curl {base}/ready
 Press Ctrl-C to stop.
 """,
         flush=True,

@@ -74,15 +74,12 @@ def configured_engines(settings: Settings) -> list[tuple[str, str, str]]:
     ``default`` on their own socket run two engines); an engine reached by URL is the URL.
     """
     host = socket.gethostname()
-    engines = getattr(settings, "engines", None) or ()
-    if not engines:
+    if not settings.engines:
         return [("default", "engine.socket", f"{host}:{settings.engine.socket}")]
-    out: list[tuple[str, str, str]] = []
-    for i, engine in enumerate(engines):
-        url = str(getattr(engine, "url", "") or "")
-        where = url or f"{host}:{getattr(engine, 'socket', '')}"
-        out.append((str(engine.name), f"engines[{i}].name", where))
-    return out
+    return [
+        (spec.name, f"engines[{i}].name", spec.url or f"{host}:{spec.socket}")
+        for i, spec in enumerate(settings.engine_specs)
+    ]
 
 
 def connect(settings: Settings) -> aioredis.Redis:

@@ -155,7 +155,7 @@ async def count_tokens(request: web.Request) -> web.Response:
             client, max_model_len=settings.engine.max_model_len, count_only=True
         )
         model = translated.chat.get("model")
-        if not isinstance(model, str) or not settings.model.accepts(model):
+        if model is not None and (not isinstance(model, str) or not settings.model.accepts(model)):
             raise ModelNotFound(model)
         thinking = resolve_thinking(translated.chat, settings, caller.tenant)
     state = app[ENGINE_STATE]

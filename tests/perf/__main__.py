@@ -10,6 +10,8 @@ Sections (``--only`` picks some; default all but ``profile``):
   hand-over gap, Jain's fairness index, a short request's wait behind long ones
   (`tests.perf.busy`);
 - ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised;
+- ``slot``: adds the gateway with production's ``engine.max_concurrency = 1`` to the ``fast``
+  rows at c=1 (the engine-counter baseline of every request);
 - ``fleet``: four engines at 30 tokens/s behind one gateway, eight tenants of agent sessions:
   busy, slots, fairness, session affinity, failover (`tests.perf.fleet`; not in the default run).
 
@@ -21,6 +23,7 @@ sockets in a private temp directory that is removed at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shutil
@@ -46,7 +49,7 @@ from tests.perf.targets import verdicts
 FAST = Profile("fast", "0 ms per token, 256 tokens an answer", 0.0, 256, (1, 32, 256))
 PACED = Profile("paced", "25 ms per token (40 tokens/s), 64 tokens", 40.0, 64, (1, 32, 64, 256))
 SECTIONS = ("fast", "paced", "limits", "slow", "busy")
-EXTRA_SECTIONS = ("profile", "ledger", "fleet")
+EXTRA_SECTIONS = ("profile", "ledger", "fleet", "slot")
 # fleet: measured window (s).
 FLEET_WINDOW_S, QUICK_FLEET_WINDOW_S = 60.0, 20.0
 SLOW_STREAMS, SLOW_TOKENS = 2000, 25
@@ -134,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"sections to run (default: {' '.join(SECTIONS)})",
     )
     parser.add_argument("--json", type=Path, help="also write every measured row here (JSON lines)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        help="relay rows only at these concurrencies (default: each profile's own)",
+    )
     args = parser.parse_args(argv)
     only = set(args.only or SECTIONS)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -155,14 +164,20 @@ def main(argv: list[str] | None = None) -> int:
                 for section, variant in (
                     ("limits", "gateway-limits-off"),
                     ("ledger", "gateway-ledger-off"),
+                    ("slot", "gateway-one-slot"),
                 )
-                if profile is FAST and section in only
+                if profile.name == "fast" and section in only
             ]
             wanted = profile.name in only or bool(extras)
             if not wanted:
                 continue
             full = profile.name in only
             variants = tuple(extras)
+            if args.concurrency:
+                profile = dataclasses.replace(
+                    profile,
+                    concurrencies=tuple(c for c in profile.concurrencies if c in args.concurrency),
+                )
             _progress(f"starting {profile.name}: {profile.description}")
             with run_stack(
                 workdir / profile.name,
@@ -239,6 +254,7 @@ _TARGET_ORDER = {
     "gateway": 2,
     "gateway-limits-off": 3,
     "gateway-ledger-off": 4,
+    "gateway-one-slot": 5,
 }
 
 
