@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue
 from gateway.answers import AnswerWorker
+from gateway.budgets import Budgets
 from gateway.config import Settings
 from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
@@ -55,6 +56,7 @@ from gateway.state import (
     ACCOUNTING,
     ADMISSION,
     ANSWER_WORKER,
+    BUDGETS,
     CLOCK,
     DIALECTS,
     DRAIN,
@@ -273,6 +275,7 @@ async def _accounting_ctx(app: web.Application) -> AsyncIterator[None]:
     ledger's last records committed after the last one."""
     accounting = Accounting(app[LIVE].current.settings, app[METRICS])
     app[ACCOUNTING] = accounting
+    app[BUDGETS] = Budgets(app[LIMITER], accounting.quota)
     await accounting.start()
     hook = functools.partial(record_call, accounting)
     app[FINISH_HOOKS].append(hook)

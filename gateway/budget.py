@@ -1,7 +1,7 @@
 """A model call's reservation against its tenant's budgets, bounded by the engine's own count.
 
-`reserve_budgets` takes the daily/monthly quotas (`gateway.accounting`) and then the per-minute
-limits (`gateway.limiter`) for the plan's ``reserve_tokens``: the prompt ceiling
+`reserve_budgets` takes the tenant's budgets (`gateway.budgets`: quotas, then the per-minute
+limits) for the plan's ``reserve_tokens``: the prompt ceiling
 (`gateway.ceiling`, a bound the engine's count cannot exceed) plus the output budget. When a
 token budget refuses the ceiling, the engine's exact count of the prompt is asked once
 (``POST /tokenize``, `gateway.upstream.Upstream.count_prompt`) and the reservation tried again
@@ -18,9 +18,8 @@ import structlog
 from aiohttp import web
 
 from gateway.errors import RateLimited
-from gateway.quota import QuotaReservation
 from gateway.ratelimit import Reservation
-from gateway.state import ACCOUNTING, LIMITER, METRICS, UPSTREAM, ModelCall
+from gateway.state import BUDGETS, METRICS, UPSTREAM, ModelCall
 
 log = structlog.get_logger("gateway.budget")
 
@@ -31,7 +30,7 @@ refusal stands."""
 
 async def reserve_budgets(request: web.Request, call: ModelCall) -> Reservation:
     """Reserve ``call.plan.reserve_tokens`` in the quotas, then the rate limits; returns the
-    rate-limit reservation (``call.quota`` and ``call.reservation`` are set).
+    rate-limit reservation (``call.hold`` is set).
 
     Raises:
         gateway.quota.QuotaExceeded: 429 ``insufficient_quota`` (nothing held).
@@ -61,16 +60,5 @@ async def reserve_budgets(request: web.Request, call: ModelCall) -> Reservation:
 
 async def _reserve(request: web.Request, call: ModelCall) -> Reservation:
     assert call.plan is not None
-    app = request.app
-    tokens = call.plan.reserve_tokens
-    tenant = call.caller.tenant
-    accounting = app[ACCOUNTING]
-    quota: QuotaReservation = await accounting.reserve(tenant, tokens)
-    try:
-        reservation = await app[LIMITER].reserve(tenant, tokens)
-    except BaseException:
-        await accounting.settle(quota, 0)
-        raise
-    call.quota = quota
-    call.reservation = reservation
-    return reservation
+    call.hold = await request.app[BUDGETS].reserve(call.caller.tenant, call.plan.reserve_tokens)
+    return call.hold.rate

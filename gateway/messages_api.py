@@ -27,7 +27,7 @@ from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
 from gateway.middleware import credential
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
-from gateway.state import CONTEXT, ENGINE_STATE, ENGINES, LIMITER
+from gateway.state import BUDGETS, CONTEXT, ENGINE_STATE, ENGINES
 from gateway.translate.anthropic_errors import (
     anthropic_error,
     anthropic_error_bytes,
@@ -161,8 +161,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
-    limiter = app[LIMITER]
-    reservation = await limiter.reserve(caller.tenant, 0)
+    budgets = app[BUDGETS]
+    hold = await budgets.reserve(caller.tenant, 0, quotas=False)
+    reservation = hold.rate
     try:
         body: dict[str, Any] = {
             "model": settings.engine.model,
@@ -192,7 +193,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         if not isinstance(count, int):
             raise answer.failed(EngineBadResponse())
     finally:
-        await limiter.settle(reservation, 0)
+        await budgets.release(hold)
     return web.json_response(
         {"input_tokens": count}, headers=anthropic_headers(reservation.headers)
     )

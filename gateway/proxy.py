@@ -139,7 +139,6 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     reservation = await reserve_budgets(request, call)
     plan = call.plan
     assert plan is not None
-    call.reservation = reservation
     metrics = app[METRICS]
     label = call.caller.label
     metrics.in_flight.labels(label).inc()

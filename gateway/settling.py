@@ -22,11 +22,10 @@ from aiohttp import web
 from gateway.admission import Ticket
 from gateway.counters import generated, settled_counters
 from gateway.state import (
-    ACCOUNTING,
     ADMISSION,
+    BUDGETS,
     ENGINE_STATE,
     IDLE_COUNTERS,
-    LIMITER,
     METRICS,
     UPSTREAM,
     ModelCall,
@@ -109,7 +108,7 @@ async def settle(request: web.Request, call: ModelCall) -> None:
     of the prompt (`Upstream.count_prompt`, while the engine is up); the estimate stands
     otherwise.
     """
-    assert call.plan is not None and call.reservation is not None
+    assert call.plan is not None and call.hold is not None
     usage = call.usage
     if needs_prompt_count(call) and request.app[ENGINE_STATE].ready:
         usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
@@ -129,6 +128,4 @@ async def settle(request: web.Request, call: ModelCall) -> None:
         metrics = request.app[METRICS]
         metrics.tokens.labels(call.caller.label, "prompt").inc(prompt)
         metrics.tokens.labels(call.caller.label, "completion").inc(completion)
-    await request.app[LIMITER].settle(call.reservation, prompt + completion)
-    if call.quota is not None:
-        await request.app[ACCOUNTING].settle(call.quota, prompt + completion)
+    await request.app[BUDGETS].settle(call.hold, prompt + completion)

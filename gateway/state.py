@@ -20,6 +20,7 @@ from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue, Ticket
 from gateway.answers import AnswerWorker
 from gateway.auth import Authenticator, Principal, revoked_digests
+from gateway.budgets import Budgets, Hold
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
 from gateway.counters import Baseline, IdleCounters
 from gateway.credentials import KeySet
@@ -29,7 +30,6 @@ from gateway.engines import Engines
 from gateway.meter import Meter
 from gateway.metrics import Metrics
 from gateway.quarantine import Quarantine
-from gateway.quota import QuotaReservation
 from gateway.ratelimit import RateLimiter, Reservation
 from gateway.reload import Reloader
 from gateway.rewrite import RequestPlan
@@ -152,8 +152,7 @@ class ModelCall:
         caller: the authenticated caller (the same as ``context.caller``).
         dialect: the client API this request speaks.
         plan: the engine request and its facts, once the body was planned.
-        quota: the daily/monthly quota reservation, once taken.
-        reservation: the rate-limit reservation, once taken.
+        hold: what the call holds against its tenant's budgets (`gateway.budgets`), once taken.
         ticket: the admission ticket, once queued.
         usage: the token counts.
         queued_s: seconds waited in the admission queue, once granted.
@@ -175,8 +174,7 @@ class ModelCall:
     caller: Caller
     dialect: Dialect
     plan: RequestPlan | None = None
-    quota: QuotaReservation | None = None
-    reservation: Reservation | None = None
+    hold: Hold | None = None
     ticket: Ticket | None = None
     usage: Meter = field(default_factory=Meter)
     queued_s: float | None = None
@@ -186,6 +184,11 @@ class ModelCall:
     baseline: Baseline | None = None
     session: bytes | None = None
     engine: str | None = None
+
+    @property
+    def reservation(self) -> Reservation | None:
+        """The rate-limit part of ``hold`` (its headers go on the answer), once taken."""
+        return self.hold.rate if self.hold is not None else None
 
     @property
     def live(self) -> Live:
@@ -208,6 +211,7 @@ ENGINES = web.AppKey("engines", Engines)
 IDLE_COUNTERS = web.AppKey("idle_counters", IdleCounters)
 ANSWER_WORKER = web.AppKey("answer_worker", AnswerWorker)
 LIMITER = web.AppKey("limiter", RateLimiter)
+BUDGETS = web.AppKey("budgets", Budgets)
 ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)
 QUARANTINE = web.AppKey("quarantine", Quarantine)
