@@ -19,6 +19,7 @@ import structlog
 from gateway.config import Settings, TenantSettings
 from gateway.errors import BadRequest
 from gateway.ledger import Ledger, UsageRecord, utc_day
+from gateway.ledger_ship import Shipper, summarise_pg
 from gateway.metrics import Metrics
 from gateway.quota import (
     LIMIT_NAMES,
@@ -65,6 +66,10 @@ class Accounting:
         self.quota = create_quota(settings, metrics, clock=clock)
         cfg = settings.ledger
         self.ledger: Ledger | None = None
+        self.shipper: Shipper | None = None
+        self._dsn = cfg.dsn() if cfg.enabled else ""
+        if self._dsn:
+            self.shipper = Shipper(cfg.path, self._dsn, metrics, cfg.ship_interval_s)
         if cfg.enabled:
             self.ledger = Ledger(
                 cfg.path,
@@ -74,6 +79,7 @@ class Accounting:
                 prune_interval_s=cfg.prune_interval_s,
                 max_pending=cfg.max_pending,
                 clock=clock,
+                outbox=self.shipper is not None,
             )
         metrics.quota.source = lambda: quota_samples(self.quota, self._settings)
 
@@ -84,9 +90,20 @@ class Accounting:
         self.quota.reconfigure(settings)
 
     async def start(self) -> None:
-        """Start the ledger writer; with in-process quotas, restore this day and month from it."""
+        """Start the ledger writer (and its shipper to PostgreSQL); with in-process quotas,
+        restore this day and month from it.
+
+        Raises:
+            ConfigError: ``ledger.postgres_dsn`` is set and PostgreSQL cannot be used.
+        """
         if self.ledger is not None:
             await asyncio.to_thread(self.ledger.start)
+            if self.shipper is not None:
+                try:
+                    await asyncio.to_thread(self.shipper.start)
+                except BaseException:
+                    await asyncio.to_thread(self.ledger.close)
+                    raise
             if isinstance(self.quota, MemoryQuota):
                 await self._restore(self.ledger, self.quota)
         await self.quota.start()
@@ -113,6 +130,8 @@ class Accounting:
         await self.quota.close()
         if self.ledger is not None:
             await asyncio.to_thread(self.ledger.close)
+        if self.shipper is not None:
+            await asyncio.to_thread(self.shipper.close)
 
     async def reserve(self, tenant: TenantSettings, tokens: int) -> QuotaReservation:
         """Reserve ``tokens`` of the tenant's quotas (see `Quota.reserve`).
@@ -212,10 +231,17 @@ class Accounting:
             "quota": quota,
         }
 
-    @staticmethod
-    def _days(ledger: Ledger, span: Any, tenant: str) -> list[dict[str, Any]]:
-        """Committed records by day (records still queued are committed first)."""
+    def _days(self, ledger: Ledger, span: Any, tenant: str) -> list[dict[str, Any]]:
+        """Committed records by day (records still queued are committed first); from
+        PostgreSQL when the ledger is shipped there (this gateway's records shipped first), so
+        every gateway answers the same; from the local file while PostgreSQL does not answer."""
         ledger.flush()
+        if self.shipper is not None:
+            self.shipper.ship()
+            try:
+                return summarise_pg(self._dsn, span, "day", tenant=tenant)
+            except ReportError as exc:
+                log.error("usage_read_failed", source="postgres", error=str(exc))
         if not ledger.path.exists():
             return []
         try:

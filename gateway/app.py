@@ -24,6 +24,7 @@ from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
 from gateway.engine_watch import check_drift, poll_health
+from gateway.fleet_sync import FLEET_SYNC, fleet_ctx
 from gateway.handlers import get_model, health, list_models, ready, usage
 from gateway.keys_file import load_keys_file
 from gateway.limiter import create_rate_limiter
@@ -151,6 +152,8 @@ def create_app(
         app[ADMISSION].reconfigure(
             engine.max_concurrency, engine.queue_size, engine.queue_timeout_s
         )
+        if FLEET_SYNC in app:
+            app[FLEET_SYNC].wake()  # publish a revocation now
 
     app[RELOADER] = Reloader(
         config_path=config_path,
@@ -160,6 +163,7 @@ def create_app(
         metrics=metrics,
         settings=settings,
     )
+    app.cleanup_ctx.append(fleet_ctx)
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_limiter_ctx)
     app.cleanup_ctx.append(_accounting_ctx)

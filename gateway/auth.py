@@ -50,6 +50,15 @@ class Principal:
     subject: str | None = None
 
 
+class RevokedSet:
+    """SHA-256 digests of API keys revoked anywhere in a fleet of gateways, replaced whole by
+    `gateway.fleet_sync` (empty for a single gateway). A key in it is refused (``revoked``) even
+    while this gateway's keys file still lists it."""
+
+    def __init__(self) -> None:
+        self.digests: frozenset[bytes] = frozenset()
+
+
 def revoked_digests(previous: Authenticator | None, keys: KeySet) -> tuple[bytes, ...]:
     """The digests of API keys revoked so far: ``previous``'s list plus its keys that ``keys``
     no longer has, minus keys ``keys`` has again; oldest first, at most `MAX_REVOKED`."""
@@ -83,6 +92,8 @@ class Authenticator:
         clock: seconds since the epoch; injected by tests.
         revoked: SHA-256 digests of keys removed from the file (`revoked_digests`); such a key
             is refused with reason ``revoked`` instead of ``unknown``.
+        fleet_revoked: keys revoked by another gateway of the fleet (`RevokedSet`), refused
+            here before this gateway's own keys file changes.
     """
 
     def __init__(
@@ -93,8 +104,10 @@ class Authenticator:
         max_ttl_s: float = 86_400.0,
         clock: Callable[[], float] = time.time,
         revoked: tuple[bytes, ...] = (),
+        fleet_revoked: RevokedSet | None = None,
     ) -> None:
         self.keys = keys
+        self.fleet_revoked = fleet_revoked if fleet_revoked is not None else RevokedSet()
         self.revoked = revoked
         self._revoked = frozenset(revoked)
         self._by_digest: dict[bytes, ApiKey] = {key.digest: key for key in keys.api_keys}
@@ -141,6 +154,8 @@ class Authenticator:
         found = self._by_digest.get(digest)
         if found is None or not hmac.compare_digest(found.digest, digest):
             raise InvalidApiKey("revoked" if digest in self._revoked else "unknown")
+        if digest in self.fleet_revoked.digests:
+            raise InvalidApiKey("revoked")
         expires = self._expiry.get(digest)
         if expires is not None and self._clock() >= expires:
             raise InvalidApiKey("expired")

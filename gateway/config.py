@@ -57,13 +57,17 @@ class ServerSettings:
     or pings (`gateway.waiting`); 0 sends none.
 
     ``shutdown_grace_s``: on SIGTERM, requests at the engine get this long to finish; queued ones
-    get 503 at once; the process exits within the grace plus about 2 s.
+    get 503 at once; the process exits within the grace plus about 2 s. ``drain_delay_s``: before
+    that, ``/ready`` answers 503 for this long while requests are still served, so that a load
+    balancer in front (HAProxy's ``/ready`` check, ``deploy/haproxy/haproxy.cfg``) takes the
+    gateway out before its listener closes; 0 (the default, no load balancer) skips it.
     """
 
     host: str = "0.0.0.0"
     port: int = 8000
     max_body_bytes: int = 33_554_432
     shutdown_grace_s: float = 30.0
+    drain_delay_s: float = 0.0
     keepalive_timeout_s: float = 60.0
     body_timeout_s: float = 60.0
     client_write_timeout_s: float = 60.0
@@ -227,6 +231,14 @@ class LedgerSettings:
     older ones are deleted every ``prune_interval_s``. ``max_pending`` bounds the records held in
     memory while the file cannot be written (full disk, read-only path); beyond it the oldest are
     dropped and counted.
+
+    ``postgres_dsn`` (a libpq connection string or URI; empty: none): the SQLite file becomes the
+    outbox of a PostgreSQL ledger shared by every gateway (`gateway.ledger_ship`). Records are
+    shipped every ``ship_interval_s``, exactly once (keyed by their ``record_id``); an outage of
+    PostgreSQL never blocks a request and is caught up. ``usage report`` and ``GET /v1/usage``
+    then read PostgreSQL. The DSN is a secret when it carries a password: keep the password in a
+    libpq password file (``passfile=...``) or set the whole DSN in the environment variable
+    ``QWEN38_LEDGER_POSTGRES_DSN`` (it wins over the file); it is never logged.
     """
 
     enabled: bool = True
@@ -235,6 +247,39 @@ class LedgerSettings:
     retention_days: int = 400
     prune_interval_s: float = 3600.0
     max_pending: int = 100_000
+    postgres_dsn: str = ""
+    ship_interval_s: float = 0.5
+
+    def dsn(self) -> str:
+        """The PostgreSQL DSN in force: ``$QWEN38_LEDGER_POSTGRES_DSN`` when set, else
+        ``postgres_dsn`` (empty: no PostgreSQL, the SQLite file is the ledger)."""
+        return os.environ.get(POSTGRES_DSN_ENV, "") or self.postgres_dsn
+
+
+POSTGRES_DSN_ENV = "QWEN38_LEDGER_POSTGRES_DSN"
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """``[fleet]``: several gateways as one service, coordinated through Redis (`gateway.fleet`).
+
+    ``redis_url`` empty (the default): a single gateway; no engine lease, the quarantine in its
+    state file, revocations from the local keys file only. Set (usually the same Redis as
+    ``[ratelimit] redis_url``): each configured engine is leased in Redis by this gateway (a
+    second gateway configured with it refuses to start), quarantine deaths and revoked key ids
+    are shared with the other gateways, and ``sync_interval_s`` is how often this gateway reads
+    what the others published. ``gateway_id`` names this gateway in the leases and in errors
+    (default ``<hostname>:<server.port>``); it must be unique in the fleet. ``lease_ttl_s``: a
+    lease of a gateway that died without releasing it expires after this long, renewed every
+    third of it.
+    """
+
+    redis_url: str = ""
+    key_prefix: str = "qwen38"
+    gateway_id: str = ""
+    lease_ttl_s: float = 10.0
+    sync_interval_s: float = 0.5
+    redis_timeout_s: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -309,6 +354,7 @@ class Settings:
     ratelimit: RatelimitSettings = field(default_factory=RatelimitSettings)
     ledger: LedgerSettings = field(default_factory=LedgerSettings)
     quarantine: QuarantineSettings = field(default_factory=QuarantineSettings)
+    fleet: FleetSettings = field(default_factory=FleetSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     tenants: Mapping[str, TenantSettings] = field(
         default_factory=lambda: MappingProxyType({DEFAULT_TENANT: TenantSettings()})
@@ -347,6 +393,7 @@ _SECTIONS: dict[str, type] = {
     "ratelimit": RatelimitSettings,
     "ledger": LedgerSettings,
     "quarantine": QuarantineSettings,
+    "fleet": FleetSettings,
     "logging": LoggingSettings,
 }
 

@@ -31,11 +31,15 @@ class Drain:
     """Shutdown state: `begin` at SIGTERM, `expire` when the grace ends.
 
     Attributes:
+        announced: True from `announce` on: ``/ready`` answers 503 so that load balancers
+            (HAProxy's health check) stop sending new connections, while requests are still
+            served for ``server.drain_delay_s``.
         draining: True from `begin` on: new model requests are refused.
         expired: True from `expire` on: requests still open are being ended.
     """
 
     def __init__(self) -> None:
+        self.announced = False
         self.draining = False
         self.expired = False
         self.began_at: float | None = None
@@ -73,8 +77,13 @@ class Drain:
         """True inside a tracked task whose cancellation came from `expire`."""
         return self.expired and asyncio.current_task() in self._tasks
 
+    def announce(self) -> None:
+        """A drain is coming: ``/ready`` says 503 from now on."""
+        self.announced = True
+
     def begin(self) -> None:
         """Start draining: from now on `draining` is True."""
+        self.announced = True
         if not self.draining:
             self.draining = True
             self.began_at = time.monotonic()

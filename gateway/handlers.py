@@ -12,6 +12,7 @@ from gateway.state import (
     ADMISSION,
     CLOCK,
     CONTEXT,
+    DRAIN,
     ENGINE_STATE,
     LIMITER,
     STARTED,
@@ -25,17 +26,20 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 when keys are loaded and the engine is healthy and warm; JSON detail either way.
+    """200 when keys are loaded, the engine is healthy and warm and the gateway is not shutting
+    down; 503 otherwise; JSON detail either way.
 
     Body: ``ready`` (bool), ``engine`` (status), ``engine_state_for_s`` (seconds in that
     status), ``keys_loaded`` (API keys), ``keys_version`` (`KeySet.version`), ``queue_depth``
-    and ``in_flight`` (requests).
+    and ``in_flight`` (requests), ``draining`` (bool: SIGTERM received, the load balancer
+    should send new clients elsewhere).
     """
     app = request.app
     state = app[ENGINE_STATE]
     live = request[CONTEXT].live
     keys_ok = live.keys.key_count > 0 or bool(live.keys.signing_keys)
-    is_ready = keys_ok and state.ready
+    draining = app[DRAIN].announced
+    is_ready = keys_ok and state.ready and not draining
     body = {
         "ready": is_ready,
         "engine": state.status,
@@ -44,6 +48,7 @@ async def ready(request: web.Request) -> web.Response:
         "keys_version": live.keys.version,
         "queue_depth": app[ADMISSION].depth,
         "in_flight": app[ADMISSION].in_flight,
+        "draining": draining,
     }
     return web.json_response(body, status=200 if is_ready else 503)
 

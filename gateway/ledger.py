@@ -19,11 +19,12 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import os
+import secrets
 import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
 
@@ -31,10 +32,13 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _BUSY_TIMEOUT_MS = 5000
 _PRUNE_BATCH = 10_000
 _RETRY_MAX_S = 5.0
+OUTBOX_NAME = "postgres"
+"""The outbox cursor's row: records with a rowid up to its ``last_rowid`` are in PostgreSQL."""
+_SHIPPED = " AND rowid <= COALESCE((SELECT last_rowid FROM outbox WHERE name = 'postgres'), 0)"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -51,11 +55,24 @@ CREATE TABLE IF NOT EXISTS usage (
     queue_s REAL,
     ttft_s REAL,
     duration_s REAL NOT NULL,
-    request_id TEXT NOT NULL
+    request_id TEXT NOT NULL,
+    record_id TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 CREATE INDEX IF NOT EXISTS usage_tenant_day ON usage (tenant, day);
+CREATE TABLE IF NOT EXISTS outbox (name TEXT PRIMARY KEY, last_rowid INTEGER NOT NULL);
 """
+# Version 1 files have no record_id: added, and filled with fresh ids, at the first open.
+_MIGRATE = (
+    "ALTER TABLE usage ADD COLUMN record_id TEXT",
+    "UPDATE usage SET record_id = lower(hex(randomblob(16))) WHERE record_id IS NULL",
+)
+_RECORD_ID_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS usage_record_id ON usage (record_id)"
+
+
+def new_record_id() -> str:
+    """32 random hex digits (128 bits): a record's id, unique across gateways and restarts."""
+    return secrets.token_hex(16)
 
 
 def utc_day(ts: float) -> str:
@@ -83,6 +100,8 @@ class UsageRecord:
         ttft_s: seconds from request received to the first token sent, None if none was sent.
         duration_s: seconds from request received to the end.
         request_id: the ``x-request-id`` answered to the client.
+        record_id: the record's own id (`new_record_id`), the key that ships it to PostgreSQL
+            exactly once (a client may send the same ``x-request-id`` twice).
     """
 
     ts: float
@@ -99,6 +118,7 @@ class UsageRecord:
     ttft_s: float | None
     duration_s: float
     request_id: str
+    record_id: str = field(default_factory=new_record_id)
 
     @property
     def total_tokens(self) -> int:
@@ -139,6 +159,11 @@ def connect(path: str | os.PathLike[str]) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
         conn.executescript(SCHEMA)
+        have = {str(row[1]) for row in conn.execute("PRAGMA table_info(usage)")}
+        if "record_id" not in have:
+            for statement in _MIGRATE:
+                conn.execute(statement)
+        conn.execute(_RECORD_ID_INDEX)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.commit()
     except BaseException:
@@ -190,6 +215,8 @@ class Ledger:
         prune_interval_s: how often old records are deleted (seconds).
         max_pending: records held in memory while writes fail; beyond it the oldest are dropped.
         clock: wall-clock seconds since the epoch (retention cut-off).
+        outbox: the file is the outbox of a PostgreSQL ledger (`gateway.ledger_ship`): records
+            not shipped yet are never pruned.
     """
 
     def __init__(
@@ -202,8 +229,10 @@ class Ledger:
         prune_interval_s: float = 3600.0,
         max_pending: int = 100_000,
         clock: Callable[[], float] = time.time,
+        outbox: bool = False,
     ) -> None:
         self.path = Path(path)
+        self._outbox = outbox
         self._metrics = metrics
         self._flush_s = flush_interval_s
         self._retention_s = retention_days * 86_400.0
@@ -356,7 +385,8 @@ class Ledger:
                 with self._lock, self._conn:
                     cur = self._conn.execute(
                         "DELETE FROM usage WHERE rowid IN "
-                        "(SELECT rowid FROM usage WHERE ts < ? LIMIT ?)",
+                        f"(SELECT rowid FROM usage WHERE ts < ?{_SHIPPED if self._outbox else ''} "
+                        "LIMIT ?)",
                         (cutoff, _PRUNE_BATCH),
                     )
                 deleted += cur.rowcount

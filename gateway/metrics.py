@@ -247,6 +247,27 @@ class Metrics:
             "Usage records waiting in memory for their commit.",
             registry=registry,
         )
+        self.ledger_shipped = Counter(
+            "gateway_ledger_shipped_records",
+            "Usage records shipped from the SQLite outbox to PostgreSQL (ledger.postgres_dsn).",
+            registry=registry,
+        )
+        self.ledger_unshipped = Gauge(
+            "gateway_ledger_unshipped_records",
+            "Usage records committed to the SQLite outbox and not yet in PostgreSQL.",
+            registry=registry,
+        )
+        self.fleet_redis_up = Gauge(
+            "gateway_fleet_redis_up",
+            "1 when the fleet's Redis (fleet.redis_url) answers; 0 when it does not or none is set.",
+            registry=registry,
+        )
+        self.engine_lease_held = Gauge(
+            "gateway_engine_lease_held",
+            "1 while this gateway holds the fleet lease of the engine, else 0.",
+            ("engine",),
+            registry=registry,
+        )
         self.quota = QuotaGauges()
         registry.register(self.quota)
 

@@ -218,6 +218,9 @@ class Quarantine:
         self._tokens = iter(range(1 << 62))
         self._dropped: list[tuple[float, str, str]] = []
         self._counted: set[str] = set()
+        # Set by `gateway.fleet_sync` when the fleet shares the quarantine in Redis: deaths go
+        # there (this view is updated at once and replaced by the shared one on each sync).
+        self.shared_push: Callable[[list[str], float], None] | None = None
         self.refresh()
 
     @property
@@ -286,7 +289,12 @@ class Quarantine:
         self._counted.update(suspects)
         if not suspects or not self.enabled:
             return []
-        added = self._update(lambda records: self._add_deaths(records, set(suspects), now))
+        if self.shared_push is not None:
+            added = self._add_deaths(self._records, set(suspects), now)
+            self.shared_push(list(suspects), now)
+            self._metrics.quarantine_entries.set(len(self.entries()))
+        else:
+            added = self._update(lambda records: self._add_deaths(records, set(suspects), now))
         for fp, request_id in suspects.items():
             log.warning(
                 "engine_death_suspect",
@@ -329,10 +337,16 @@ class Quarantine:
         self._metrics.quarantine_entries.set(len(self.entries()))
         return result
 
+    def replace(self, records: dict[str, Record]) -> None:
+        """Take the fleet's shared records (`gateway.fleet_sync`) as this gateway's view."""
+        self._records = records
+        self._metrics.quarantine_entries.set(len(self.entries()))
+
     def refresh(self) -> None:
         """Re-read the state file if it changed (an operator's clear) and update the gauge; an
-        unreadable file is logged and the last state kept."""
-        if self._file is not None:
+        unreadable file is logged and the last state kept. With a shared quarantine the state
+        file is not used."""
+        if self._file is not None and self.shared_push is None:
             try:
                 mtime = self._file.mtime()
                 if mtime != self._mtime:

@@ -2,7 +2,9 @@
 
 Works on ``[quarantine] state_file`` under the same lock as the running gateway, which re-reads
 the file within ``quarantine.poll_s`` (`gateway.quarantine`): run it as the gateway's user (the
-file is 0600). Works as well while the gateway is stopped.
+file is 0600). Works as well while the gateway is stopped. With ``[fleet] redis_url`` it works on
+the fleet's shared quarantine in Redis instead (`gateway.quarantine_redis`), which every gateway
+re-reads within ``fleet.sync_interval_s``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,44 @@ import argparse
 import datetime
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
-from gateway.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, ConfigError, load_settings
-from gateway.quarantine import StateFile, prune
+import redis
+
+from gateway.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, ConfigError, Settings, load_settings
+from gateway.quarantine import Record, StateFile, prune
+from gateway.quarantine_redis import hash_key, parse_records
+
+
+class RedisState:
+    """The fleet's shared quarantine hash, with `StateFile`'s ``read`` and ``locked``.
+
+    ``locked`` deletes the fingerprints the caller removed (``HDEL``); it never writes records.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        cfg = settings.fleet
+        self.path = Path(hash_key(cfg.key_prefix))
+        self._key = hash_key(cfg.key_prefix)
+        self._client = redis.Redis.from_url(
+            cfg.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0
+        )
+
+    def read(self) -> dict[str, Record]:
+        """Every record of the hash."""
+        return parse_records(self._client.hgetall(self._key))
+
+    @contextmanager
+    def locked(self) -> Iterator[dict[str, Record]]:
+        """Yield the records; the ones the caller deleted are deleted in Redis."""
+        records = self.read()
+        before = set(records)
+        yield records
+        gone = before - set(records)
+        if gone:
+            self._client.hdel(self._key, *gone)
 
 
 def _when(unix: float) -> str:
@@ -22,12 +59,14 @@ def _when(unix: float) -> str:
     )
 
 
-def _state_file(args: argparse.Namespace) -> StateFile | None:
+def _state_file(args: argparse.Namespace) -> StateFile | RedisState | None:
     try:
         settings = load_settings(args.config)
     except ConfigError as exc:
         print(f"qwen38-gateway: invalid configuration: {exc}", file=sys.stderr)
         return None
+    if settings.fleet.redis_url:
+        return RedisState(settings)
     path = settings.quarantine.state_file
     if not path:
         print(
@@ -44,7 +83,11 @@ def _list(args: argparse.Namespace) -> int:
     if state is None:
         return 2
     now = time.time()
-    records = state.read()
+    try:
+        records = state.read()
+    except (redis.RedisError, OSError) as exc:
+        print(f"qwen38-gateway: fleet.redis_url: Redis: {type(exc).__name__}", file=sys.stderr)
+        return 2
     shown = [
         (fp, r) for fp, r in sorted(records.items()) if r.until > now or (args.all and r.deaths)
     ]
@@ -72,8 +115,9 @@ def _clear(args: argparse.Namespace) -> int:
             for fp in cleared:
                 del records[fp]
             prune(records, time.time(), float("inf"))
-    except OSError as exc:
-        print(f"qwen38-gateway: cannot write {state.path}: {exc.strerror}", file=sys.stderr)
+    except (redis.RedisError, OSError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else type(exc).__name__
+        print(f"qwen38-gateway: cannot write {state.path}: {reason}", file=sys.stderr)
         return 2
     if args.fingerprint is not None and not cleared:
         print(f"qwen38-gateway: {args.fingerprint} is not in the quarantine", file=sys.stderr)

@@ -84,7 +84,8 @@ def install_uvloop() -> None:
 async def serve(settings: Settings, config_path: str | None) -> int:
     """Run the public and metrics listeners until SIGTERM/SIGINT; returns the exit code.
 
-    The drain on SIGTERM/SIGINT (`gateway.drain`): the listeners close and idle keep-alive
+    The drain on SIGTERM/SIGINT (`gateway.drain`): ``/ready`` answers 503 at once and, after
+    ``server.drain_delay_s`` of normal service (time for a load balancer to notice), the listeners close and idle keep-alive
     connections with them; queued requests get 503 with ``Retry-After`` at once and new ones the
     same; requests at the engine get ``server.shutdown_grace_s`` to finish, then streams end with
     an SSE error event; the process is gone within the grace plus about 2 s. A second signal
@@ -171,6 +172,12 @@ async def serve(settings: Settings, config_path: str | None) -> int:
         await stop.wait()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _force_exit)
+        drain.announce()
+        if settings.server.drain_delay_s > 0:
+            # /ready says 503 while everything is still served: the load balancer's health
+            # checks take this gateway out before its listener closes.
+            log.info("gateway_drain_announced", delay_s=settings.server.drain_delay_s)
+            await asyncio.sleep(settings.server.drain_delay_s)
         await _drain(app, runners, drain, grace)
     finally:
         for watcher in list(watchers):

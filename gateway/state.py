@@ -76,6 +76,7 @@ def build_live(
         max_ttl_s=settings.auth.jwt_max_ttl_s,
         clock=clock,
         revoked=revoked_digests(previous.auth if previous else None, keys),
+        fleet_revoked=previous.auth.fleet_revoked if previous else None,
     )
     return Live(settings=settings, keys=keys, auth=auth, salt_secret=salt)
 

@@ -199,15 +199,22 @@ def _report(args: argparse.Namespace) -> int:
     from gateway.config import ConfigError, load_settings
 
     paths = list(args.ledger or [])
+    dsn = ""
     if not paths:
         try:
-            paths = [load_settings(args.config).ledger.path]
+            ledger = load_settings(args.config).ledger
         except ConfigError as exc:
             print(f"qwen38-gateway: invalid configuration: {exc}", file=sys.stderr)
             return 1
+        paths, dsn = [ledger.path], ledger.dsn()
     try:
         span = make_span(args.since, args.until, dt.datetime.now(dt.timezone.utc).date())
-        rows = summarise(paths, span, args.by)
+        if dsn:
+            from gateway.ledger_ship import summarise_pg
+
+            rows = summarise_pg(dsn, span, args.by)
+        else:
+            rows = summarise(paths, span, args.by)
     except ReportError as exc:
         print(f"qwen38-gateway usage report: {exc}", file=sys.stderr)
         return 1
@@ -225,7 +232,8 @@ def add_subcommands(sub: Any) -> None:
         description=(
             "Sum the usage ledger over whole UTC days. Ledgers are opened read-only, so this "
             "runs against a live gateway's file; several --ledger files (one per replica) are "
-            "merged."
+            "merged. Without --ledger, a config with [ledger] postgres_dsn (or "
+            "$QWEN38_LEDGER_POSTGRES_DSN) is read from PostgreSQL: the whole fleet's usage."
         ),
     )
     p.add_argument("--since", help="first UTC day, YYYY-MM-DD (default: the 1st of this month)")
@@ -238,7 +246,8 @@ def add_subcommands(sub: Any) -> None:
         "--ledger",
         action="append",
         metavar="PATH",
-        help="a ledger file; repeat for several (default: [ledger] path of the config)",
+        help="a ledger file; repeat for several (default: PostgreSQL when [ledger] postgres_dsn "
+        "is set, else [ledger] path of the config)",
     )
     p.add_argument("--config", help="TOML config whose [ledger] path is read without --ledger")
     p.set_defaults(func=_report)

@@ -26,8 +26,10 @@ KEY_A = "sk-q38-testAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 KEY_B = "sk-q38-testBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
 KEY_C = "sk-q38-testCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 
-# The `engine` fixture (real vLLM and the simulator, started by the launcher) and its markers.
-pytest_plugins = ("tests.realengine.fixtures",)
+# The `engine` fixture (real vLLM and the simulator, started by the launcher) and its markers;
+# the layers (`fast`, `slow`) and the grouping of files under pytest-xdist.
+# pytester runs pytest in-process on generated files (tests/test_layers.py).
+pytest_plugins = ("tests.layers", "tests.realengine.fixtures", "pytester")
 
 
 def free_port() -> int:

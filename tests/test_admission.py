@@ -12,6 +12,8 @@ from gateway.errors import EngineUnavailable, RateLimited
 from gateway.metrics import Metrics
 from tests.clock import FakeClock
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def metrics() -> Metrics:

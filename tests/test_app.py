@@ -27,6 +27,8 @@ from tests.inprocess import (
     write_config,
 )
 
+pytestmark = pytest.mark.fast
+
 CHAT = "/v1/chat/completions"
 AUTH_B = {"Authorization": f"Bearer {KEY_B}"}
 

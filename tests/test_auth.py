@@ -24,6 +24,8 @@ from gateway.credentials import KeySet, b64url_encode, parse_keys
 from gateway.errors import InvalidApiKey
 from gateway.metrics import AUTH_FAILURE_REASONS
 
+pytestmark = pytest.mark.fast
+
 NOW = 1_800_000_000.0
 PLAIN = "sk-q38-plainplainplainplainplainpla"
 HASHED = "sk-q38-hashedhashedhashedhashedhash"

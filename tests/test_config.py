@@ -16,6 +16,8 @@ from gateway.config import (
     parse_settings,
 )
 
+pytestmark = pytest.mark.fast
+
 
 def test_a_missing_file_means_every_default(tmp_path: Path) -> None:
     """No file at the path: all defaults, no error."""

@@ -14,6 +14,8 @@ from gateway.rewrite import plan_request
 from gateway.translate.anthropic_request import translate_messages
 from gateway.translate.responses_request import translate_responses
 
+pytestmark = pytest.mark.fast
+
 FIXTURES = Path(__file__).parent / "fixtures" / "clients"
 CTX = 254_976
 

@@ -28,6 +28,8 @@ from gateway.translate.responses_errors import failure_code, responses_error
 from gateway.translate.responses_store import ResponseStore
 from gateway.translate.responses_stream import ResponsesWriter
 
+pytestmark = pytest.mark.fast
+
 ANTHROPIC_EVENT = TypeAdapter(at.RawMessageStreamEvent)
 RESPONSES_EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 

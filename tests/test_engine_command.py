@@ -14,6 +14,8 @@ import pytest
 from engine.command import build_launch
 from engine.config import EngineConfig
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parent.parent
 
 REFERENCE_ARGV = [

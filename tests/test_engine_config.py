@@ -19,6 +19,8 @@ from engine.config import (
     parse_settings,
 )
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parent.parent
 
 

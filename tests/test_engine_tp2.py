@@ -18,6 +18,8 @@ from engine.memory import DRAFT_LM_HEAD_GIB, estimate
 from engine.probes import CheckResult, PreflightError
 from tests.test_preflight import RecordedHost, make_checkpoint, settings_for, write_safetensors
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parent.parent
 TP2_EXAMPLE = REPO / "deploy" / "etc" / "engine.tp2.toml"
 UUID0 = "GPU-5a0c3e4f-8f1b-2d7e-91a3-0c6b2f9d4e11"

@@ -27,6 +27,8 @@ from gateway.errors import (
     retry_after_header,
 )
 
+pytestmark = pytest.mark.fast
+
 LEAVES = [
     cls
     for cls in vars(errors).values()

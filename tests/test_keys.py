@@ -20,6 +20,8 @@ from gateway.keys_file import (
     update_keys_file,
 )
 
+pytestmark = pytest.mark.fast
+
 PLAIN = "sk-q38-handtypedhandtypedhandtyped"
 HASHED_SECRET = "sk-q38-0123456789abcdefghijABCDEFGHIJ"
 HASHED_HEX = hashlib.sha256(HASHED_SECRET.encode()).hexdigest()

@@ -24,6 +24,8 @@ from gateway.metrics import Metrics
 from gateway.upstream import EngineState
 from tests.conftest import DEFAULT_KEYS, KEY_A, KEY_C, write_keys
 
+pytestmark = pytest.mark.fast
+
 JWT = (
     "eyJhbGciOiJIUzI1NiIsImtpZCI6Im9icyJ9"
     ".eyJzdWIiOiJhY21lIiwiZXhwIjoxOTAwMDAwMDAwfQ"

@@ -36,6 +36,8 @@ from gateway.metrics import (
 from tests.conftest import DEFAULT_KEYS, write_keys
 from tests.test_prometheus_rules import CONTRACT_METRICS
 
+pytestmark = pytest.mark.fast
+
 # DESIGN section 7, then the documented extensions: exposed name -> (type, label names).
 CONTRACT = {k: v for k, v in CONTRACT_METRICS.items() if k.startswith("gateway_")}
 

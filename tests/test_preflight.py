@@ -20,6 +20,8 @@ from engine.gpus import GPU_QUERY, find_gpu, parse_gpu_query
 from engine.preflight import report, run_checks
 from engine.probes import CheckResult, Output, Probes
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "preflight"
 CUDA_HOME = "/usr/local/cuda-12.8"

@@ -19,6 +19,8 @@ from gateway.ratelimit import (
 )
 from tests.clock import FakeClock
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def clock() -> FakeClock:

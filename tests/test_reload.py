@@ -21,6 +21,8 @@ from gateway.keys_file import load_keys_file
 from gateway.metrics import Metrics
 from gateway.reload import Reloader
 
+pytestmark = pytest.mark.fast
+
 SECRET_A = "sk-q38-AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 SECRET_B = "sk-q38-BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
 SECRET_C = "sk-q38-CCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"

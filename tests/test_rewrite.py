@@ -16,6 +16,8 @@ from gateway.rewrite import (
     plan_request,
 )
 
+pytestmark = pytest.mark.fast
+
 SETTINGS = parse_settings(
     {
         "engine": {"model": "engine-name"},

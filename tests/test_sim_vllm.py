@@ -33,6 +33,8 @@ from tests.test_sim import (
     stream,
 )
 
+pytestmark = pytest.mark.fast
+
 TOKENS = 12
 WEATHER = {
     "type": "function",

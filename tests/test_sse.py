@@ -8,6 +8,8 @@ import pytest
 
 from gateway.sse import DONE_EVENT, SseRelay, StreamProtocolError, rewrite_completion_body
 
+pytestmark = pytest.mark.fast
+
 ROLE = b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
 REASON = b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"reasoning":"\xe6\x80\x9d\xe8\x80\x83 \xf0\x9f\xa4\x94"},"logprobs":null,"finish_reason":null}]}'
 CONTENT = b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}]}'

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.sse import DONE_EVENT, SseRelay
+
+pytestmark = pytest.mark.fast
 
 ENGINE = "qwen3.8-27b"
 PROPERTY_SETTINGS = settings(

@@ -27,6 +27,8 @@ from gateway.upstream import EngineState, Upstream, engine_error
 from tests.clock import FakeClock
 from tests.inprocess import ENGINE_MODEL, SimServer, short_tempdir, start_sim, until
 
+pytestmark = pytest.mark.fast
+
 CHAT = "/v1/chat/completions"
 
 

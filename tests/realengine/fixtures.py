@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Gateway, _stop, start_gateway
+from tests.layers import is_real_engine_item
 from tests.realengine.launcher import (
     MAX_MODEL_LEN,
     PYTHON_ENV,
@@ -66,7 +67,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         callspec = getattr(item, "callspec", None)
         kind = callspec.params.get("engine") if callspec is not None else None
-        if kind == "real" or "real_engine" in getattr(item, "fixturenames", ()):
+        if is_real_engine_item(item):
             item.add_marker(pytest.mark.real_engine)
         pending = item.get_closest_marker("sim_pending")
         if kind == "sim" and pending is not None:
