@@ -42,6 +42,7 @@ class Ticket:
         "_error",
         "_queue",
         "_state",
+        "background",
         "behind_own",
         "cost",
         "enqueued_at",
@@ -74,6 +75,7 @@ class Ticket:
         self.seq = seq
         self.start = 0.0
         self.behind_own = False
+        self.background = False
         self.enqueued_at = enqueued_at
         self.granted_at: float | None = None
 
@@ -178,17 +180,32 @@ def _ring(alarm: asyncio.Future[None]) -> None:
 
 
 class _Tenant:
-    """A tenant's waiters (first come, first served) and its virtual finish time ``finish``:
-    the weighted tokens it was charged since the queue was last idle, lifted to the virtual
-    time whenever it starts waiting anew."""
+    """A tenant's waiters (first come, first served; its background requests in a line of their
+    own, served when no interactive one waits) and its virtual finish time ``finish``: the
+    weighted tokens it was charged since the queue was last idle, lifted to the virtual time
+    whenever it starts waiting anew."""
 
-    __slots__ = ("finish", "live", "waiters", "weight")
+    __slots__ = ("finish", "later", "live", "waiters", "weight")
 
     def __init__(self, weight: float) -> None:
         self.waiters: deque[Ticket] = deque()
+        self.later: deque[Ticket] = deque()
         self.live = 0
         self.weight = weight
         self.finish = 0.0
+
+    def lines(self) -> tuple[deque[Ticket], deque[Ticket]]:
+        """The interactive line, then the background line."""
+        return self.waiters, self.later
+
+    def head(self) -> deque[Ticket]:
+        """The line whose first entry is served next (dead entries dropped first)."""
+        for line in self.lines():
+            while line and line[0]._state is not _State.WAITING:
+                line.popleft()
+            if line:
+                return line
+        raise AssertionError("a waiting tenant has a live waiter")
 
 
 class AdmissionQueue:
@@ -271,7 +288,15 @@ class AdmissionQueue:
         service = self._service_s if self._service_s is not None else DEFAULT_SERVICE_S
         return self.max_concurrency / max(service, 1e-3)
 
-    def enqueue(self, tenant: str, weight: float, cost: int, *, label: str | None = None) -> Ticket:
+    def enqueue(
+        self,
+        tenant: str,
+        weight: float,
+        cost: int,
+        *,
+        label: str | None = None,
+        background: bool = False,
+    ) -> Ticket:
         """Ask for an engine slot for one request.
 
         Args:
@@ -279,6 +304,9 @@ class AdmissionQueue:
             weight: the tenant's ``weight`` (> 0).
             cost: the request's token reservation (prompt estimate plus output budget).
             label: the tenant's metrics label (`Settings.tenant_label`); the name when None.
+            background: the request said it is background work (a chat UI's title or tags):
+                it waits behind its own tenant's interactive requests; across tenants nothing
+                changes.
 
         Returns:
             A ticket, already granted if a slot was free and nobody waited; else wait on it.
@@ -294,6 +322,7 @@ class AdmissionQueue:
             raise self._closed()
         now = self.clock()
         ticket = Ticket(self, tenant, label or tenant, weight, cost, now, next(self._seq))
+        ticket.background = background
         if self._in_flight < self.max_concurrency and self._depth == 0:
             state = self._tenant(tenant, weight)
             self._grant(ticket, state, max(state.finish, self._vtime), now)
@@ -316,7 +345,7 @@ class AdmissionQueue:
             self._total_weight += weight - state.weight
         state.weight = weight
         state.live += 1
-        state.waiters.append(ticket)
+        (state.later if background else state.waiters).append(ticket)
         self._depth += 1
         # Waiting behind its own tenant's backlog of at least its weighted share of the queue:
         # if this request times out, that backlog is the cause (429), not the engine (503).
@@ -336,14 +365,15 @@ class AdmissionQueue:
         self._closed = error
         failed = 0
         for state in list(self._waiting.values()):
-            for ticket in state.waiters:
-                if ticket._state is not _State.WAITING:
-                    continue
-                ticket._state = _State.DONE
-                ticket._error = error()
-                ticket._ring()
-                failed += 1
-            state.waiters.clear()
+            for line in state.lines():
+                for ticket in line:
+                    if ticket._state is not _State.WAITING:
+                        continue
+                    ticket._state = _State.DONE
+                    ticket._error = error()
+                    ticket._ring()
+                    failed += 1
+                line.clear()
             state.live = 0
         self._waiting.clear()
         self._total_weight = 0.0
@@ -362,8 +392,9 @@ class AdmissionQueue:
         self.queue_size = queue_size
         self.queue_timeout_s = queue_timeout_s
         for state in self._waiting.values():
-            for ticket in state.waiters:
-                ticket._ring()  # waiters recompute their deadlines
+            for line in state.lines():
+                for ticket in line:
+                    ticket._ring()  # waiters recompute their deadlines
         self._dispatch()
 
     def _tenant(self, tenant: str, weight: float) -> _Tenant:
@@ -387,9 +418,9 @@ class AdmissionQueue:
         ticket._ring()
         state = self._tenants[ticket.tenant]
         self._leave(ticket.tenant, state)
-        waiters = state.waiters
-        if len(waiters) > 2 * state.live + _LINE_SLACK:
-            state.waiters = deque(t for t in waiters if t._state is _State.WAITING)
+        if len(state.waiters) + len(state.later) > 2 * state.live + _LINE_SLACK:
+            state.waiters = deque(t for t in state.waiters if t._state is _State.WAITING)
+            state.later = deque(t for t in state.later if t._state is _State.WAITING)
         self._metrics.queue_depth.set(self._depth)
         self._idle_check()
 
@@ -421,19 +452,18 @@ class AdmissionQueue:
         """Grant waiters while slots are free: the head of the line of the waiting tenant with
         the smallest virtual finish time, ties to the earliest arrival."""
         while self._in_flight < self.max_concurrency and self._depth > 0:
-            best: _Tenant | None = None
+            best: deque[Ticket] | None = None
+            best_state: _Tenant | None = None
             best_key = (0.0, 0)
             for state in self._waiting.values():
-                waiters = state.waiters
-                while waiters[0]._state is not _State.WAITING:
-                    waiters.popleft()
-                key = (state.finish, waiters[0].seq)
+                line = state.head()
+                key = (state.finish, line[0].seq)
                 if best is None or key < best_key:
-                    best, best_key = state, key
-            assert best is not None
-            ticket = best.waiters.popleft()
-            self._leave(ticket.tenant, best)
-            self._grant(ticket, best, best.finish, self.clock())
+                    best, best_state, best_key = line, state, key
+            assert best is not None and best_state is not None
+            ticket = best.popleft()
+            self._leave(ticket.tenant, best_state)
+            self._grant(ticket, best_state, best_state.finish, self.clock())
             ticket._ring()
         self._metrics.queue_depth.set(self._depth)
         self._idle_check()
@@ -444,6 +474,7 @@ class AdmissionQueue:
         self._depth -= 1
         if state.live <= 0:
             state.waiters.clear()
+            state.later.clear()
             del self._waiting[tenant]
             self._total_weight -= state.weight
 

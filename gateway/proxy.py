@@ -56,7 +56,7 @@ from gateway.state import (
     ModelCall,
     RequestContext,
 )
-from gateway.waiting import Heartbeat, wait_for_slot
+from gateway.waiting import Heartbeat, background_request, wait_for_slot
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -95,8 +95,10 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
     server = live.settings.server
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
     refuse_own_credential(raw, credential(request, call.dialect))
+    body = parse_body(raw)
+    call.background = background_request(request.headers, body)
     given = PlanInput(
-        body=parse_body(raw),
+        body=body,
         settings=live.settings,
         tenant=call.caller.tenant,
         request_id=call.engine_request_id,
@@ -165,7 +167,7 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     try:
         tenant = call.caller.tenant
         ticket = app[ADMISSION].enqueue(
-            tenant.name, tenant.weight, plan.reserve_tokens, label=label
+            tenant.name, tenant.weight, plan.reserve_tokens, label=label, background=call.background
         )
         call.ticket = ticket
         try:

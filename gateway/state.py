@@ -288,6 +288,7 @@ class ModelCall:
             while the quarantine is off.
         baseline: the engine's counters read just before the request was sent, taken only
             while it holds the engine's only slot (`gateway.counters`); None otherwise.
+        background: the request said it is background work (`gateway.waiting.background_request`).
     """
 
     context: RequestContext
@@ -303,6 +304,7 @@ class ModelCall:
     fingerprint: str | None = None
     engine_request_id: str = ""
     baseline: Baseline | None = None
+    background: bool = False
 
     @property
     def live(self) -> Live:

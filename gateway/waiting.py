@@ -25,13 +25,18 @@ socket buffers, after which the write waits ``server.client_write_timeout_s`` an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from gateway.admission import Ticket
 from gateway.relay import ClientStream
 from gateway.state import ModelCall
 
 QUEUED_COMMENT = b": queued\n\n"
+PRIORITY_HEADER = "X-Request-Priority"
+BACKGROUND_TIERS = frozenset({"flex"})
+"""``service_tier`` values that mark a request as background work: OpenAI's ``flex`` tier is
+"lower priority, slower" processing (OpenAI API reference, "Flex processing")."""
 DEFAULT_KEEPALIVE_S = 5.0
 """The beat used while queued when ``server.sse_keepalive_s`` is 0 (a queued stream must show
 life: its headers are out)."""
@@ -119,3 +124,16 @@ async def wait_for_slot(ticket: Ticket, heartbeat: Heartbeat, after: float) -> N
         await heartbeat.beat(keepalive)
         if await ticket.wait(every):
             return
+
+
+def background_request(headers: Mapping[str, str], body: Any) -> bool:
+    """True when the request says it is background work, to be served after its own tenant's
+    interactive requests (`gateway.admission.AdmissionQueue.enqueue`): the header
+    ``X-Request-Priority: background`` (any API), or ``service_tier: "flex"`` in an OpenAI body
+    (chat, completions, Responses; what Open WebUI's ``TASK_MODEL_PARAMS`` can add to its title,
+    tags and follow-up requests). The field is passed on; the engine ignores it.
+    """
+    priority = headers.get(PRIORITY_HEADER, "")
+    if priority.strip().lower() == "background":
+        return True
+    return isinstance(body, dict) and body.get("service_tier") in BACKGROUND_TIERS

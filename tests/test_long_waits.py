@@ -239,3 +239,46 @@ def test_a_queued_client_that_stopped_reading_is_found_by_the_keepalive_writes(
         sock.close()
     holder.join(30)
     assert engine_bodies(gw, "stalled-reader") == []
+
+
+def test_an_interactive_answer_goes_before_its_tenants_background_tasks(gw: Gateway) -> None:
+    """A chat UI's title (service_tier "flex") and tags (X-Request-Priority: background) requests
+    queued before its answer are served after it, through the openai SDK."""
+    client = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, max_retries=0)
+    holder = hold_slot(gw, 8.0)
+    done: list[str] = []
+
+    def ask(text: str, **extra: Any) -> None:
+        client.chat.completions.create(
+            model="qwen3.8-27b", messages=[{"role": "user", "content": text}], **extra
+        )
+        done.append(text)
+
+    title = threading.Thread(target=ask, args=("task-title",), kwargs={"service_tier": "flex"})
+    title.start()
+    assert wait_until(lambda: gw.metric("gateway_queue_depth") == 1, 5)
+    tags = threading.Thread(
+        target=ask,
+        args=("task-tags",),
+        kwargs={"extra_headers": {"X-Request-Priority": "background"}},
+    )
+    tags.start()
+    assert wait_until(lambda: gw.metric("gateway_queue_depth") == 2, 5)
+    ask("the-answer")
+    for thread in (title, tags, holder):
+        thread.join(30)
+    client.close()
+    assert gw.sim is not None
+    order = [
+        json.dumps(r["body"]["messages"][-1]["content"])
+        for r in gw.sim.model_records()
+        if "hold" not in json.dumps(r["body"]["messages"])
+    ]
+    assert [
+        next(t for t in ("the-answer", "task-title", "task-tags") if t in o) for o in order
+    ] == [
+        "the-answer",
+        "task-title",
+        "task-tags",
+    ]
+    assert done[0] == "the-answer"
