@@ -236,8 +236,8 @@ class Accounting:
         PostgreSQL when the ledger is shipped there (this gateway's records shipped first), so
         every gateway answers the same; from the local file while PostgreSQL does not answer."""
         ledger.flush()
-        if self.shipper is not None:
-            self.shipper.ship()
+        if self.shipper is not None and self.shipper.healthy:
+            self.shipper.ship(wait=False)  # this gateway's newest records, unless it is shipping
             try:
                 return summarise_pg(self._dsn, span, "day", tenant=tenant)
             except ReportError as exc:

@@ -19,7 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue
+from gateway.answers import AnswerWorker
 from gateway.config import Settings
+from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
@@ -51,11 +53,13 @@ from gateway.responses_api import (
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
+    ANSWER_WORKER,
     CLOCK,
     DIALECTS,
     DRAIN,
     ENGINE_STATE,
     FINISH_HOOKS,
+    IDLE_COUNTERS,
     LIMITER,
     LIVE,
     METRICS,
@@ -182,16 +186,21 @@ def create_app(
     app.router.add_post("/v1/messages/count_tokens", count_tokens, expect_handler=expect_continue)
     app[DIALECTS]["/v1/messages/count_tokens"] = ANTHROPIC
     stored = "/v1/responses/{response_id}"
-    app.router.add_get(stored, get_response, allow_head=False)
-    app.router.add_delete(stored, delete_response)
+    app.router.add_get(stored, get_response, allow_head=False, expect_handler=expect_continue)
+    app.router.add_delete(stored, delete_response, expect_handler=expect_continue)
     app.router.add_post(stored + "/cancel", cancel_response, expect_handler=expect_continue)
     app[DIALECTS][stored] = responses
     app[DIALECTS][stored + "/cancel"] = responses
-    app.router.add_get("/v1/models", list_models, allow_head=False)
-    app.router.add_get("/v1/models/{id}", get_model, allow_head=False)
-    app.router.add_get("/v1/usage", usage, allow_head=False)
-    app.router.add_get("/health", health, allow_head=True)
-    app.router.add_get("/ready", ready, allow_head=True)
+    # Every route takes `expect_continue`: aiohttp's default answers an unknown expectation
+    # with a text page quoting the header (a 500 when it holds a lone surrogate).
+    for path, get_handler, head in (
+        ("/v1/models", list_models, False),
+        ("/v1/models/{id}", get_model, False),
+        ("/v1/usage", usage, False),
+        ("/health", health, True),
+        ("/ready", ready, True),
+    ):
+        app.router.add_get(path, get_handler, allow_head=head, expect_handler=expect_continue)
     return app
 
 
@@ -200,6 +209,16 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     upstream = Upstream(app[LIVE].current.settings.engine, app[METRICS])
     app[UPSTREAM] = upstream
     state = app[ENGINE_STATE]
+    app[IDLE_COUNTERS] = idle = IdleCounters(upstream)
+    app[ANSWER_WORKER] = worker = AnswerWorker()
+
+    def on_engine(previous: EngineStatus, status: EngineStatus) -> None:
+        idle.forget()  # another engine process, or none: its counters start again
+        admission = app[ADMISSION]
+        if status == "ready" and admission.max_concurrency == 1 and admission.in_flight == 0:
+            idle.refresh(admission.grants)
+
+    state.listeners.append(on_engine)
     tasks = [
         asyncio.create_task(
             poll_health(upstream, state, lambda: app[LIVE].current.settings.engine)
@@ -220,6 +239,8 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    await idle.close()
+    await worker.close()
     await upstream.close()
 
 

@@ -1,18 +1,27 @@
-"""The request body: read within its size and time limits, parsed as strict JSON (case C16)."""
+"""The request body: read within its size and time limits, parsed as strict JSON (case C16),
+and checked whole before any dialect reads it (case C28, C29): nothing in it that JSON cannot
+carry back to the client or on to the engine, and not the request's own credential."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import re
+from collections.abc import Iterator
 from typing import Any
 
+import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from gateway.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout
+from gateway.secret_scan import OwnCredential
 from gateway.validate import MAX_INT_DIGITS, find_unsendable
+
+log = structlog.get_logger("gateway")
 
 
 async def read_body(request: web.Request, limit: int, idle_timeout: float) -> bytes:
@@ -109,3 +118,62 @@ def _locate_long_int(text: str) -> None:
         where, _ = found
         top = where.split(".", 1)[0].split("[", 1)[0]
         raise BadRequest(f"'{where}' holds an integer too large.", param=top)
+
+
+# What can make a UTF-8 JSON text hold a value JSON cannot carry on: a ``\\uD800``-``\\uDFFF``
+# escape (a lone surrogate), an exponent of three digits or more, or a run of 300+ digits (a
+# float that parses as infinity). Bodies without any of these skip the walk.
+_SUSPECT_RE = re.compile(rb"\\u[dD][89a-fA-F]|[eE][+-]?\d{3}|\d{300}")
+
+
+def client_body(raw: bytes, authorization: str | None) -> Any:
+    """The parsed body of a model request, checked whole before any dialect reads a field.
+
+    Every value a response may echo (metadata, tool definitions, ids, stop sequences,
+    ``reasoning``, ...) comes from here, so checking the whole body once means no answer can
+    fail to serialise after the engine ran and the tenant was charged (case C28).
+
+    Args:
+        raw: the body's bytes.
+        authorization: the request's ``Authorization`` value (or the dialect's key header as
+            ``Bearer <key>``), to refuse a body that carries it.
+
+    Raises:
+        BadRequest: not JSON (`parse_body`); the request's own API key or token anywhere in it,
+            as sent, JSON-escaped, percent-encoded or base64-encoded (not echoed); a lone UTF-16
+            surrogate, a non-finite number or an integer too long to print anywhere, named by
+            its path (`gateway.validate.find_unsendable`).
+    """
+    body = parse_body(raw)
+    own = OwnCredential.of(authorization)
+    if own is not None and own.found_in(raw, body):
+        raise BadRequest(
+            "The request body contains this request's own API key or token; remove it "
+            "(it would be sent to the model)."
+        )
+    if json.detect_encoding(raw) not in ("utf-8", "utf-8-sig") or _SUSPECT_RE.search(raw):
+        found = find_unsendable(body)
+        if found is not None:
+            where, why = found
+            top = where.split(".", 1)[0].split("[", 1)[0]
+            raise BadRequest(f"'{where}' holds {why}.", param=top)
+    return body
+
+
+@contextlib.contextmanager
+def unplannable_as_400() -> Iterator[None]:
+    """Planning a client body: a `GatewayError` passes; nesting the checks cannot walk is a 400;
+    any other exception is a check that met a shape it did not expect (a bug, logged with its
+    traceback as ``plan_failed``) and still a 400, since nothing was reserved or sent yet and
+    the body is what caused it (case C28: no 5xx from client input)."""
+    try:
+        yield
+    except GatewayError:
+        raise
+    except RecursionError:
+        raise BadRequest("The JSON body is nested too deeply.") from None
+    except Exception:
+        log.exception("plan_failed")
+        raise BadRequest(
+            "The request body holds a value of a type or shape this server cannot process."
+        ) from None

@@ -11,6 +11,7 @@ from gateway.config import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
     ConfigError,
+    Settings,
     listener_problem,
     load_settings,
 )
@@ -43,36 +44,85 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """``check``: what was asked to be checked fails the command; the rest only warns.
+
+    ``--keys-file F`` alone checks that file: problems of the config it may read for nothing
+    else (no file, a listener without TLS, certificates) are printed as ``WARN`` and the exit
+    status is the keys file's (case C32). With ``--config`` (or neither option) the config, its
+    listener, its certificates and the keys file are all checked and each problem fails.
+    """
     from gateway.keys_file import check_keys_file
     from gateway.tls import TlsError, server_context
 
+    keys_only = args.keys_file is not None and args.config is None
+    other = "WARN" if keys_only else "FAIL"
+    failed = False
+    settings: Settings | None
     try:
         settings = load_settings(args.config)
     except ConfigError as exc:
-        print(f"FAIL config: {exc}")
-        return 1
-    print(f"OK   config: {settings.source or 'defaults (no file)'}")
-    failed = False
-    listener = listener_problem(settings)
-    if listener is not None:
-        print(f"FAIL listener: {listener}")
-        failed = True
-    for name, section in (("server", settings.server), ("metrics", settings.metrics)):
-        if section.tls_cert_file:
-            try:
-                server_context(section.tls_cert_file, section.tls_key_file)
-            except TlsError as exc:
-                print(f"FAIL {name} tls: {exc}")
-                failed = True
-            else:
-                print(f"OK   {name} tls: {section.tls_cert_file}")
-    keys_file = args.keys_file or settings.auth.keys_file
+        print(f"{other} config: {exc}")
+        if not keys_only:
+            return 1
+        settings = None
+    if settings is not None:
+        print(f"OK   config: {settings.source or 'defaults (no file)'}")
+        listener = listener_problem(settings)
+        if listener is not None:
+            print(f"{other} listener: {listener}")
+            failed = failed or not keys_only
+        for name, section in (("server", settings.server), ("metrics", settings.metrics)):
+            if section.tls_cert_file:
+                try:
+                    server_context(section.tls_cert_file, section.tls_key_file)
+                except TlsError as exc:
+                    print(f"{other} {name} tls: {exc}")
+                    failed = failed or not keys_only
+                else:
+                    print(f"OK   {name} tls: {section.tls_cert_file}")
+        if not keys_only:
+            failed = _check_fleet(settings) or failed
+    keys_file = args.keys_file or (settings.auth.keys_file if settings is not None else None)
+    assert keys_file is not None, "a config loads whenever --keys-file is not given"
     problems = check_keys_file(keys_file)
     for problem in problems:
         print(f"FAIL keys: {problem}")
     if not problems:
         print(f"OK   keys: {keys_file}")
     return 1 if problems or failed else 0
+
+
+def _check_fleet(settings: Settings) -> bool:
+    """Print OK/FAIL for the fleet's Redis and the ledger's PostgreSQL when configured; True on
+    a failure. Neither the DSN nor the Redis URL is printed (either may hold a password)."""
+    failed = False
+    if settings.fleet.redis_url:
+        import redis
+
+        client = redis.Redis.from_url(
+            settings.fleet.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0
+        )
+        try:
+            client.ping()
+        except (redis.RedisError, OSError) as exc:
+            print(f"FAIL fleet: fleet.redis_url does not answer ({type(exc).__name__})")
+            failed = True
+        else:
+            print("OK   fleet: fleet.redis_url answers")
+        finally:
+            client.close()
+    dsn = settings.ledger.dsn() if settings.ledger.enabled else ""
+    if dsn:
+        from gateway.ledger_ship import check_dsn
+
+        try:
+            check_dsn(dsn)
+        except ConfigError as exc:
+            print(f"FAIL ledger: {exc}")
+            failed = True
+        else:
+            print("OK   ledger: ledger.postgres_dsn answers (table usage ready)")
+    return failed
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -118,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("check", help="validate the config and keys file; exit 1 on problems")
+    p = sub.add_parser(
+        "check",
+        help="validate the config and keys file; exit 1 on problems (with --keys-file alone: "
+        "the keys file's problems; the config's are warnings)",
+    )
     p.add_argument("--config", help=config_help)
     p.add_argument(
         "--keys-file", metavar="F", help="the keys file (default: auth.keys_file of the config)"

@@ -129,6 +129,10 @@ class EngineSettings:
     clients (Claude Code, Codex) behind a few other turns on a one-slot engine are served
     instead of refused; a streamed request is kept alive meanwhile, a non-streamed one is bound
     by its client's read timeout (README, "Long waits and retries").
+    ``max_answer_bytes``: the largest non-streamed engine answer relayed (a larger one is a 502,
+    the engine request aborted); ``max_event_bytes``: the largest single streamed event (past
+    it the stream ends with a 502 error event). A 32,768-token answer is about 150 KB of JSON,
+    one vLLM event a few hundred bytes (a few KB with ``top_logprobs``).
     """
 
     socket: str = "/run/qwen38/engine.sock"
@@ -148,6 +152,8 @@ class EngineSettings:
     ready_file: str = ""
     launcher_status_file: str = ""
     drift_check_interval_s: float = 30.0
+    max_answer_bytes: int = 33_554_432
+    max_event_bytes: int = 8_388_608
 
 
 @dataclass(frozen=True)
@@ -173,8 +179,10 @@ class ResponsesSettings:
 
     Off by default: Codex and most coding clients send ``store: false`` and the whole history.
     When on, responses are kept in this process's memory only (not shared by replicas, lost at
-    restart), at most ``store_max_items`` of them and ``store_max_bytes`` of JSON, each for
-    ``store_ttl_s`` seconds, visible only to the tenant that created them.
+    restart), at most ``store_max_items`` of them and ``store_max_bytes`` in all (compact JSON
+    bytes, as held, plus a per-entry overhead), each for ``store_ttl_s`` seconds, visible only
+    to the tenant that created them; when full, the tenant holding the most gives up its oldest
+    (`gateway.translate.responses_store`).
     """
 
     store: bool = False

@@ -43,6 +43,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "engine.unhealthy_after_s": (0, 3600),
     "engine.queued_comment_after_s": (0, 3600),
     "engine.drift_check_interval_s": (0.1, 86_400),
+    "engine.max_answer_bytes": (65_536, 1 << 34),
+    "engine.max_event_bytes": (65_536, 1 << 32),
     "responses.store_max_items": (1, 10_000_000),
     "responses.store_max_bytes": (1024, 1 << 40),
     "responses.store_ttl_s": (1, 31_536_000),

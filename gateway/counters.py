@@ -20,11 +20,19 @@ The counters are not the request's own when the engine restarted in between (the
 again from 0: a counter lower than before, another ``vllm:generation_tokens_created``) or did
 not answer; the caller then falls back to the streamed usage. With ``max_concurrency > 1`` no
 baseline is taken: several requests share the counters.
+
+The "before" reading is off the request path (`IdleCounters`): with one slot nothing but the
+gateway's own requests moves the engine's counters, so a reading taken while no request is at
+the engine (after the previous one gave its slot back) is the next request's baseline. The next
+request waits only for a reading still under way when it is granted; it reads the counters
+itself only when there is no idle reading since the previous grant (the first request, or the
+queue granted it the slot straight from the previous one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,3 +183,71 @@ def generated(before: EngineCounters, after: EngineCounters) -> Generated:
         prompt_tokens=max(0, round(after.prompt_tokens - before.prompt_tokens)),
         completion_tokens=max(0, round(after.generation_tokens - before.generation_tokens)),
     )
+
+
+class IdleCounters:
+    """The engine's counters read while it had no request from the gateway (one slot only).
+
+    `refresh` starts one background reading when the last request gave the slot back; `baseline`
+    gives the request just granted the slot (grant number ``grants``) a reading taken after the
+    previous grant's request ended, waiting for one under way, or reads the counters itself.
+    Readings whose ``busy`` is not 0 are not kept (the engine still works on something).
+
+    Args:
+        upstream: the engine boundary (its ``/metrics``).
+        timeout: longest wait for one reading (seconds).
+    """
+
+    def __init__(self, upstream: Upstream, timeout: float = BASELINE_TIMEOUT_S) -> None:
+        self._upstream = upstream
+        self._timeout = timeout
+        self._latest: Baseline | None = None
+        self._reading: asyncio.Task[Baseline | None] | None = None
+
+    def refresh(self, grants: int) -> None:
+        """Read the counters in the background; ``grants`` is the admission queue's grant count
+        now, with no request at the engine."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read(grants))
+
+    def keep(self, counters: EngineCounters, grants: int) -> None:
+        """Keep ``counters`` read at the end of the request granted as number ``grants`` (its
+        abort landed, the slot still held) when the engine was idle."""
+        if counters.busy == 0:
+            self._latest = Baseline(counters, grants)
+
+    async def close(self) -> None:
+        """Stop a reading under way (the gateway shuts down)."""
+        if self._reading is not None and not self._reading.done():
+            self._reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reading
+
+    def forget(self) -> None:
+        """Drop the kept reading (the engine changed state: restarted, down)."""
+        self._latest = None
+
+    async def baseline(self, grants: int) -> Baseline | None:
+        """The counters before the request granted as number ``grants``, or None.
+
+        A kept reading taken after grant ``grants - 1`` ended, or one under way (awaited, not
+        cancelled with the caller), else a fresh reading (`read_counters`); None when the
+        engine did not answer or was busy.
+        """
+        reading = self._reading
+        if reading is not None and not reading.done():
+            await asyncio.shield(reading)
+        latest = self._latest
+        if latest is not None and latest.grants == grants - 1:
+            return Baseline(latest.counters, grants)
+        counters = await read_counters(self._upstream, timeout=self._timeout)
+        if counters is None or counters.busy != 0:
+            return None
+        return Baseline(counters, grants)
+
+    async def _read(self, grants: int) -> Baseline | None:
+        counters = await read_counters(self._upstream, timeout=self._timeout)
+        if counters is None or counters.busy != 0:
+            return None
+        self._latest = Baseline(counters, grants)
+        return self._latest

@@ -10,7 +10,7 @@ its seams and nothing else varies between dialects. `CHAT` and `COMPLETIONS` are
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +38,13 @@ class StreamRelay(Protocol):
     @property
     def clean_end(self) -> bool:
         """True when the engine's stream ended as a complete answer."""
+
+
+class PromptCounter(Protocol):
+    """The engine's own prompt count (`gateway.upstream.Upstream.count_prompt`)."""
+
+    async def count_prompt(self, body: bytes, timeout: float) -> int | None:
+        """Prompt tokens of an engine request body, or None when the engine cannot say."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,12 @@ class Dialect:
             (Anthropic's ``x-api-key``), or None.
         limit_headers: the rate-limit headers of an answer in this API's names (Anthropic's
             ``anthropic-ratelimit-*``); identity for OpenAI's ``x-ratelimit-*``.
+        store_answer: keeps an answer that `json_answer` would have stored when it ran in the
+            worker process (`gateway.answers`): (tenant, response id, response JSON, input
+            items JSON); None for dialects that store nothing.
+        explain_rejection: the engine's 4xx made exact before this API states it (Anthropic's
+            prompt-too-long numbers need the prompt's exact count where the engine gave a lower
+            bound), given the engine and the plan; None to pass the engine's error on.
     """
 
     name: str
@@ -97,6 +110,10 @@ class Dialect:
     keepalive: bytes | None = None
     api_key_header: str | None = None
     limit_headers: Callable[[dict[str, str]], dict[str, str]] = lambda headers: headers
+    store_answer: Callable[[str, str, bytes, bytes], object] | None = None
+    explain_rejection: (
+        Callable[[PromptCounter, RequestPlan, GatewayError], Awaitable[GatewayError]] | None
+    ) = None
 
 
 def _openai_planner(kind: Kind) -> Callable[[PlanInput], RequestPlan]:
@@ -120,6 +137,7 @@ def _openai_relay(settings: Settings, plan: RequestPlan) -> StreamRelay:
         client_wants_usage=plan.client_wants_usage,
         client_wants_running_usage=plan.client_wants_running_usage,
         n=plan.n,
+        max_event_bytes=settings.engine.max_event_bytes,
     )
 
 

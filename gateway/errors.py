@@ -14,6 +14,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.secret_scan import looks_like_credential
+
 # Seconds a client should wait before retrying while the engine loads or restarts: a V100 takes
 # minutes to load and warm up the 23 GB checkpoint, a crash restart about as long.
 RETRY_AFTER_STARTING_S = 30.0
@@ -22,17 +24,21 @@ RETRY_AFTER_DOWN_S = 10.0
 # Every credential the gateway accepts is at least this long (API keys: 16 characters, JWTs far
 # more), so a client string shorter than it can be quoted back without echoing one.
 QUOTABLE_MAX_CHARS = 15
+# Of a longer quoted value in an engine's message, at most this much is kept.
+QUOTED_PREFIX_CHARS = 24
 
 
 def quotable(text: Any) -> str:
     """``text`` as an error message may quote it: short plain strings as they are; anything that
-    could be a credential (16 characters or more, whatever its prefix or padding, or not a
-    string at all) as ``<redacted>``."""
+    could be a credential (16 characters or more, whatever its prefix or padding, one that
+    starts like a key, a JWT or an ``Authorization`` value as sent or percent- or
+    base64-decoded, or not a string at all) as ``<redacted>``. Every client value an error
+    names goes through here, so no error quotes more than 15 characters of one."""
     if (
         isinstance(text, str)
         and len(text) <= QUOTABLE_MAX_CHARS
         and text.isprintable()
-        and not text.lower().startswith(("sk-", "eyj", "bearer"))
+        and not looks_like_credential(text)
     ):
         return text
     return "<redacted>"
@@ -49,9 +55,31 @@ _CREDENTIAL_RE = re.compile(
 )
 
 
+# A quoted stretch of a text the gateway did not write, long enough to be a client value worth
+# shortening (vLLM's and pydantic's messages quote the value they refuse).
+_QUOTED_RE = re.compile(r"(['\"`])([^'\"`]{" + str(QUOTED_PREFIX_CHARS + 1) + r",})\1")
+# An engine message is cut here (vLLM's longest own messages are about 300 characters).
+ENGINE_MESSAGE_MAX_CHARS = 1000
+
+
 def scrub_credentials(text: str) -> str:
-    """``text`` with everything that could be a credential replaced by ``<redacted>``."""
-    return _CREDENTIAL_RE.sub("<redacted>", text)
+    """``text`` with everything that could be a credential replaced by ``<redacted>``, every
+    quoted stretch longer than `QUOTED_PREFIX_CHARS` cut to that prefix, and the whole cut to
+    `ENGINE_MESSAGE_MAX_CHARS`: what an engine's message may say about a client value."""
+    text = _CREDENTIAL_RE.sub("<redacted>", text)
+    text = _QUOTED_RE.sub(lambda m: f"{m[1]}{m[2][:QUOTED_PREFIX_CHARS]}...{m[1]}", text)
+    if len(text) > ENGINE_MESSAGE_MAX_CHARS:
+        text = text[:ENGINE_MESSAGE_MAX_CHARS] + "..."
+    return text
+
+
+_SURROGATE_RE = re.compile("[\\ud800-\\udfff]")
+
+
+def safe_text(text: str) -> str:
+    """``text`` with anything UTF-8 cannot carry (a lone surrogate decoded from the client's
+    bytes or escapes) replaced by U+FFFD, so an error message always serialises."""
+    return _SURROGATE_RE.sub("\ufffd", text)
 
 
 class GatewayError(Exception):
@@ -81,9 +109,10 @@ class GatewayError(Exception):
         code: str | None = None,
         reason: str | None = None,
     ) -> None:
+        message = safe_text(message)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = safe_text(param) if param is not None else None
         self.headers: dict[str, str] = dict(headers or {})
         if type is not None:
             self.type = type
@@ -384,6 +413,19 @@ class EngineFailed(BadGateway):
     """502: the engine answered with a 5xx status."""
 
     kind = "status_5xx"
+
+
+class EngineAnswerTooLarge(BadGateway):
+    """502: one engine answer (a non-streamed body) or one streamed event was larger than the
+    gateway relays (``engine.max_answer_bytes``, ``engine.max_event_bytes``); the engine request
+    is aborted."""
+
+    kind = "too_large"
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(
+            f"The engine's {what} was larger than this gateway relays ({limit} bytes)."
+        )
 
 
 class GatewayTimeout(UpstreamError):

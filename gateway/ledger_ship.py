@@ -176,22 +176,34 @@ class Shipper:
             wait = self._interval_s if ok else min(RETRY_MAX_S, max(wait * 2, self._interval_s))
         self.ship()
 
-    def ship(self) -> bool:
-        """Ship what the outbox holds now; True when nothing is left (never raises)."""
-        with self._lock:
-            try:
-                while self._ship_batch():
-                    pass
-            except (psycopg.Error, OSError) as exc:
-                self._down(exc)
-                return False
-            except sqlite3.Error as exc:
-                log.error("ledger_outbox_unreadable", path=str(self.path), error=str(exc))
-                return False
-            if self._failing:
-                self._failing = False
-                log.info("ledger_postgres_up", shipped=self.shipped)
-            return True
+    @property
+    def healthy(self) -> bool:
+        """False from a failed shipment until the next one succeeds (PostgreSQL is down)."""
+        return not self._failing
+
+    def ship(self, wait: bool = True) -> bool:
+        """Ship what the outbox holds now; True when nothing is left (never raises).
+
+        ``wait=False`` returns False at once when a shipment is already running (a reader that
+        must not wait on a PostgreSQL that does not answer).
+        """
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            while self._ship_batch():
+                pass
+        except (psycopg.Error, OSError) as exc:
+            self._down(exc)
+            return False
+        except sqlite3.Error as exc:
+            log.error("ledger_outbox_unreadable", path=str(self.path), error=str(exc))
+            return False
+        finally:
+            self._lock.release()
+        if self._failing:
+            self._failing = False
+            log.info("ledger_postgres_up", shipped=self.shipped)
+        return True
 
     def _ship_batch(self) -> bool:
         """Ship one batch; True when a full batch went (more may wait)."""

@@ -20,10 +20,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.body import parse_body, read_body
+from gateway.body import client_body, read_body, unplannable_as_400
 from gateway.config import Settings
-from gateway.dialects import Dialect, PlanInput
+from gateway.dialects import Dialect, PlanInput, PromptCounter
 from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
+from gateway.middleware import credential
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
 from gateway.state import CONTEXT, ENGINE_STATE, LIMITER, UPSTREAM
@@ -35,6 +36,7 @@ from gateway.translate.anthropic_errors import (
 from gateway.translate.anthropic_request import translate_messages
 from gateway.translate.anthropic_stream import PING_EVENT, AnthropicWriter, sse
 from gateway.translate.chat_events import answer_events
+from gateway.translate.common import Overflow, PromptTooLong, overflow_of
 from gateway.translate.plan import TranslatedPlan, plan_translated
 from gateway.translate.relay import TranslatingRelay, Writer
 
@@ -57,7 +59,12 @@ def _fail(writer: Writer, error: GatewayError) -> bytes:
 
 
 def _relay(settings: Settings, plan: RequestPlan) -> TranslatingRelay:
-    inner = SseRelay(settings.engine.model, settings.model.alias, client_wants_usage=True)
+    inner = SseRelay(
+        settings.engine.model,
+        settings.model.alias,
+        client_wants_usage=True,
+        max_event_bytes=settings.engine.max_event_bytes,
+    )
     writer = AnthropicWriter(
         settings.model.alias, input_estimate=plan.prompt_estimate, stops=_stops(plan)
     )
@@ -75,6 +82,29 @@ def _json(body: dict[str, Any], settings: Settings, plan: RequestPlan) -> dict[s
 def _error_event(error: GatewayError) -> bytes:
     _, body, _ = anthropic_error(error)
     return sse("error", body)
+
+
+# Seconds to wait for the engine's count of a prompt it refused as too long; past it the
+# engine's own lower bound is stated ("at least N").
+OVERFLOW_COUNT_TIMEOUT_S = 5.0
+
+
+async def _explain(counter: PromptCounter, plan: RequestPlan, error: GatewayError) -> GatewayError:
+    """The engine's prompt-too-long 400 with true numbers (case C31): where the engine gave a
+    lower bound ("at least N", its tokenizer stopped past the limit), the prompt's exact count
+    from the engine's ``/tokenize``; the output budget the engine was asked for."""
+    overflow = overflow_of(error)
+    if overflow is None:
+        return error
+    prompt, at_least = overflow.prompt, overflow.at_least
+    output = overflow.output or plan.max_output
+    if at_least:
+        counted = await counter.count_prompt(plan.body, OVERFLOW_COUNT_TIMEOUT_S)
+        # A count that says the request fits contradicts the engine's refusal: keep its bound.
+        if counted is not None and counted >= prompt and counted + output > overflow.context:
+            prompt, at_least = counted, False
+    exact = Overflow(prompt, at_least, output, overflow.context)
+    return PromptTooLong(error, exact)
 
 
 def _adapt(error: GatewayError) -> GatewayError:
@@ -99,6 +129,7 @@ ANTHROPIC = Dialect(
     keepalive=PING_EVENT,
     api_key_header="x-api-key",
     limit_headers=anthropic_headers,
+    explain_rejection=_explain,
 )
 
 
@@ -118,13 +149,15 @@ async def count_tokens(request: web.Request) -> web.Response:
     assert caller is not None, "authentication runs first"
     settings = context.live.settings
     raw = await read_body(request, settings.server.max_body_bytes, settings.server.body_timeout_s)
-    translated = translate_messages(
-        parse_body(raw), max_model_len=settings.engine.max_model_len, count_only=True
-    )
-    model = translated.chat.get("model")
-    if not isinstance(model, str) or not settings.model.accepts(model):
-        raise ModelNotFound(str(model))
-    thinking = resolve_thinking(translated.chat, settings, caller.tenant)
+    client = client_body(raw, credential(request, ANTHROPIC))
+    with unplannable_as_400():
+        translated = translate_messages(
+            client, max_model_len=settings.engine.max_model_len, count_only=True
+        )
+        model = translated.chat.get("model")
+        if not isinstance(model, str) or not settings.model.accepts(model):
+            raise ModelNotFound(model)
+        thinking = resolve_thinking(translated.chat, settings, caller.tenant)
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
@@ -144,7 +177,11 @@ async def count_tokens(request: web.Request) -> web.Response:
         )
         if answer.status != 200:
             raise await answer.error()
-        raw_answer = await answer.body()
+        try:
+            raw_answer = await answer.body(settings.engine.max_answer_bytes)
+        except GatewayError:
+            answer.abort()
+            raise
         answer.release()
         try:
             count = json.loads(raw_answer)["count"]

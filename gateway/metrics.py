@@ -56,6 +56,7 @@ UPSTREAM_ERROR_KINDS = (
     "stream_error",
     "bad_response",
     "status_5xx",
+    "too_large",
 )
 RATE_LIMITS = ("requests", "tokens", "concurrency", "queue", "tokens_per_day", "tokens_per_month")
 # vLLM's usage has no reasoning count (OpenAI-compatible ``usage``): completion includes it.

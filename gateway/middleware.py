@@ -21,7 +21,9 @@ from aiohttp import HttpVersion11, web
 
 from gateway.dialects import CHAT, Dialect
 from gateway.errors import GatewayError, HttpError, MethodNotAllowed, NotFound
+from gateway.http_errors import error_for
 from gateway.metrics import ROUTES
+from gateway.secret_scan import looks_like_credential
 from gateway.state import (
     CLOCK,
     CONTEXT,
@@ -45,9 +47,11 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 def sane_request_id(value: str) -> bool:
     """A client request id is kept when short and plain, and not shaped like a credential
-    (an ``sk-`` key or a JWT sent by mistake would otherwise reach logs and the engine; a
-    loaded API key without such a prefix is refused by the caller, by its digest)."""
-    return bool(_REQUEST_ID_RE.match(value)) and not value.startswith(("sk-", "eyJ"))
+    as sent or percent- or base64-decoded (`gateway.secret_scan.looks_like_credential`: an
+    ``sk-`` key, a JWT or a ``Bearer`` value sent by mistake would otherwise reach logs, every
+    response header and the engine; a loaded API key without such a prefix is refused by the
+    caller, by its digest)."""
+    return bool(_REQUEST_ID_RE.match(value)) and not looks_like_credential(value)
 
 
 def _route(request: web.Request) -> tuple[str, str]:
@@ -96,7 +100,12 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
     request[CONTEXT] = context
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
-        response = await handler(request)
+        try:
+            response = await handler(request)
+        except (asyncio.CancelledError, web.HTTPException):
+            raise
+        except Exception as exc:  # raised by the error middleware itself: still an envelope
+            response = _unexpected(request, context, exc)
         if not context.status:
             context.status = response.status
         response.headers["x-request-id"] = request_id
@@ -111,8 +120,29 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         structlog.contextvars.unbind_contextvars("request_id")
 
 
+def _unexpected(request: web.Request, context: RequestContext, exc: Exception) -> web.Response:
+    """An exception no other layer answered, as the route's error: 400 for text no codec
+    accepts (the client's input, logged without a traceback as ``bad_encoding``), else 500
+    (a bug, logged with its traceback as ``unhandled_error``)."""
+    error = error_for(exc, 500)
+    if isinstance(exc, UnicodeError):
+        events.warning("bad_encoding", error=type(exc).__name__)
+        context.reason = context.reason or "bad_encoding"
+    else:
+        events.exception("unhandled_error", exc_info=exc)
+        context.reason = "internal"
+    error = context.dialect.adapt_error(error)
+    return web.Response(
+        status=error.status,
+        body=context.dialect.error_body(error),
+        content_type="application/json",
+        headers=error.headers,
+    )
+
+
 def finish_request(request: web.Request, context: RequestContext) -> None:
-    """Emit the access line and the request metrics exactly once, then run the finish hooks."""
+    """Emit the access line and the request metrics exactly once, then run the finish hooks;
+    the call's plan (its bodies) is dropped after them."""
     app = request.app
     metrics = app[METRICS]
     duration = app[CLOCK]() - context.started
@@ -161,6 +191,11 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
             hook(context)
         except Exception:
             events.exception("finish_hook_failed")
+    if call is not None:
+        # The call and its context refer to each other: without this their request and engine
+        # bodies would wait for the next full garbage collection, which the gateway's gc
+        # thresholds make rare (gateway.server), and hold many requests' bodies at once.
+        call.plan = None
 
 
 @web.middleware
@@ -168,8 +203,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     """Turn an error raised before the response started into its JSON error response.
 
     `GatewayError`s are serialised in the route's dialect (OpenAI's shape for every route
-    today); aiohttp's routing answers (404, 405) are translated first; anything else is a bug:
-    logged with its traceback, answered 500.
+    today); aiohttp's routing answers (404, 405) are translated first; text no codec accepts
+    (a lone surrogate decoded from a header or a URL: `UnicodeError`) is the client's, a 400;
+    anything else is a bug: logged with its traceback, answered 500.
     """
     context = request[CONTEXT]
     try:
@@ -180,6 +216,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         error = _translate_http(exc)
         context.reason = context.reason or "http"
+    except UnicodeError as exc:
+        events.warning("bad_encoding", error=type(exc).__name__)
+        error = error_for(exc, 400)
+        context.reason = "bad_encoding"
     except Exception:
         events.exception("unhandled_error")
         error = GatewayError("Internal server error.")

@@ -25,11 +25,10 @@ import structlog
 from aiohttp import web
 
 from gateway.accounting import Accounting
-from gateway.body import parse_body, read_body
+from gateway.body import client_body, read_body, unplannable_as_400
 from gateway.dialects import Dialect, PlanInput
 from gateway.drain import Drain
 from gateway.errors import (
-    BadRequest,
     EngineDisconnected,
     EngineUnavailable,
     EngineUnreachable,
@@ -44,6 +43,7 @@ from gateway.settling import release_ticket, run_to_end, settle, take_baseline
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
+    ANSWER_WORKER,
     CLOCK,
     CONTEXT,
     DRAIN,
@@ -94,8 +94,7 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
     live = call.live
     server = live.settings.server
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
-    refuse_own_credential(raw, credential(request, call.dialect))
-    body = parse_body(raw)
+    body = client_body(raw, credential(request, call.dialect))
     call.background = background_request(request.headers, body)
     given = PlanInput(
         body=body,
@@ -104,28 +103,8 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
         request_id=call.engine_request_id,
         salt_secret=live.salt_secret,
     )
-    try:
+    with unplannable_as_400():
         call.plan = call.dialect.plan(given)
-    except RecursionError:
-        raise BadRequest("The JSON body is nested too deeply.") from None
-
-
-def refuse_own_credential(raw: bytes, authorization: str | None) -> None:
-    """Refuse a body that carries the credential the request authenticated with (pasted into a
-    message or a field by mistake): it would otherwise reach the engine, its logs and its
-    prefix cache. The credential is not echoed.
-
-    Raises:
-        BadRequest: the body contains the request's own API key or token.
-    """
-    if not authorization:
-        return
-    secret = authorization.strip().partition(" ")[2].strip()
-    if len(secret) >= 16 and secret.encode("utf-8", "surrogatepass") in raw:
-        raise BadRequest(
-            "The request body contains this request's own API key or token; remove it "
-            "(it would be sent to the model)."
-        )
 
 
 async def handle_model_request(request: web.Request, dialect: Dialect) -> web.StreamResponse:
@@ -418,13 +397,16 @@ async def _call_engine(
             call.usage.rejected = True
             error = await answer.error()
             complete = True
+            if call.dialect.explain_rejection is not None:
+                answer.release()  # read to its end: the connection may serve the count
+                error = await call.dialect.explain_rejection(upstream, call.plan, error)
             if stream is None or stream.response is None:
                 raise error
             return await stream.end_with_error(error)
         if stream is not None:
             result = await relay_stream(request, call, answer, stream, heartbeat)
         else:
-            result = await relay_json(call, answer)
+            result = await relay_json(request, call, answer, app[ANSWER_WORKER])
         complete = True
         return result
     finally:

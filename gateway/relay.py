@@ -9,19 +9,28 @@ give up on a client that stopped reading, one final error event after the header
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
+from gateway.answers import (
+    OFFLOAD_BYTES,
+    OFFLOADED_DIALECTS,
+    AnswerWorker,
+    NotAnObject,
+    Offloaded,
+    WorkerFailed,
+    rewrite,
+)
 from gateway.errors import (
+    EngineAnswerTooLarge,
     EngineBadResponse,
     EngineDisconnected,
     GatewayError,
     UpstreamError,
 )
-from gateway.sse import StreamProtocolError
+from gateway.sse import EventTooLarge, StreamProtocolError
 from gateway.state import CLOCK, METRICS, ModelCall
 from gateway.upstream import UpstreamAnswer
 
@@ -197,6 +206,10 @@ async def relay_stream(
                     await stream.send(out)
         except UpstreamError as exc:
             failure = exc
+        except EventTooLarge as exc:
+            failure = answer.failed(
+                EngineAnswerTooLarge("event", call.settings.engine.max_event_bytes), exc
+            )
         except StreamProtocolError as exc:
             failure = answer.failed(EngineBadResponse(), exc)
         tail = relay.finish() if failure is None else b""
@@ -252,40 +265,57 @@ async def _prepend(first: bytes, answer: UpstreamAnswer) -> AsyncIterator[bytes]
         yield data
 
 
-async def relay_json(call: ModelCall, answer: UpstreamAnswer) -> web.Response:
+async def relay_json(
+    request: web.Request, call: ModelCall, answer: UpstreamAnswer, worker: AnswerWorker
+) -> web.StreamResponse:
     """Read the whole engine answer, rewrite it in the call's dialect, count its usage.
 
+    An answer over `gateway.answers.OFFLOAD_BYTES` is rewritten in ``worker`` (another
+    process: decoding JSON holds the interpreter) and relayed from it in slices, so the event
+    loop keeps serving.
+
     Raises:
+        EngineAnswerTooLarge: the answer is over ``engine.max_answer_bytes`` (the caller aborts
+            the engine request).
         UpstreamError: the engine failed while answering, or the answer is not a JSON object.
     """
     assert call.plan is not None, "the call is planned before the engine is called"
-    raw = await answer.body()
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise answer.failed(EngineBadResponse(), exc) from exc
-    if not isinstance(body, dict):
-        raise answer.failed(EngineBadResponse())
-    usage = body.get("usage")
-    if isinstance(usage, dict):
-        call.usage.prompt_tokens = _count(usage.get("prompt_tokens"))
-        call.usage.completion_tokens = _count(usage.get("completion_tokens"))
-        details = usage.get("completion_tokens_details")
-        if isinstance(details, dict):
-            call.usage.reasoning_tokens = _count(details.get("reasoning_tokens"))
-    answer_body = call.dialect.json_answer(body, call.settings, call.plan)
-    return web.Response(
-        body=json.dumps(answer_body, ensure_ascii=False, separators=(",", ":")).encode(),
-        content_type="application/json",
-        headers=(
-            call.dialect.limit_headers(call.reservation.headers)
-            if call.reservation is not None
-            else None
-        ),
+    parts = await answer.parts(call.settings.engine.max_answer_bytes)
+    dialect = call.dialect
+    headers = (
+        dialect.limit_headers(call.reservation.headers) if call.reservation is not None else {}
     )
-
-
-def _count(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+    offloaded: Offloaded | None = None
+    try:
+        if sum(map(len, parts)) > OFFLOAD_BYTES and dialect.name in OFFLOADED_DIALECTS:
+            offloaded = await worker.rewrite(dialect.name, parts, call.settings, call.plan)
+            result = offloaded.result
+        else:
+            raw = b"".join(parts)
+            result = rewrite(raw, dialect.json_answer, call.settings, call.plan)
+    except NotAnObject as exc:
+        raise answer.failed(EngineBadResponse(), exc) from exc
+    except WorkerFailed as exc:
+        raise answer.failed(
+            EngineBadResponse("The gateway failed to rewrite the engine's answer."), exc
+        ) from exc
+    del parts
+    call.usage.prompt_tokens = result.prompt_tokens
+    call.usage.completion_tokens = result.completion_tokens
+    call.usage.reasoning_tokens = result.reasoning_tokens
+    if offloaded is None:
+        return web.Response(body=result.body, content_type="application/json", headers=headers)
+    if result.stored is not None and dialect.store_answer is not None:
+        dialect.store_answer(*result.stored)
+    response = web.StreamResponse(status=200, headers=headers)
+    response.content_type = "application/json"
+    response.content_length = offloaded.length
+    chunks = offloaded.chunks()
+    try:
+        await response.prepare(request)
+        async for piece in chunks:
+            await response.write(piece)
+        await response.write_eof()
+    finally:
+        await chunks.aclose()
+    return response

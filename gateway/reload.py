@@ -31,6 +31,14 @@ RESTART_ONLY = (
     "metrics.tls_key_file",
     "auth.keys_file",
     "auth.reload_poll_s",
+    "ledger.postgres_dsn",
+    "ledger.ship_interval_s",
+    "fleet.redis_url",
+    "fleet.key_prefix",
+    "fleet.gateway_id",
+    "fleet.lease_ttl_s",
+    "fleet.sync_interval_s",
+    "fleet.redis_timeout_s",
 )
 # After a change is seen, wait this long for the file to stop changing before reading it, so
 # a writer caught mid-write is not reported as a broken file.

@@ -16,13 +16,14 @@ created with ``background`` (which this server does not run). With the store off
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aiohttp import web
 
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput
-from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.errors import BadRequest, GatewayError, NotFound, quotable
 from gateway.rewrite import RequestPlan
 from gateway.sse import SseRelay
 from gateway.state import CONTEXT
@@ -37,8 +38,13 @@ from gateway.translate.responses_stream import KEEPALIVE_COMMENT, ResponsesWrite
 STORE = web.AppKey("responses_store", ResponseStore)
 
 
+_ID_RE = re.compile(r"resp_[0-9a-f]{24}")
+
+
 def _not_found(response_id: str) -> NotFound:
-    shown = response_id[:100] if not response_id.startswith(("sk-", "eyJ")) else "<redacted>"
+    """404 for an id the caller has no stored response under; the id is quoted when it has the
+    shape of this server's ids (`gateway.translate.common.new_id`), else only when `quotable`."""
+    shown = response_id if _ID_RE.fullmatch(response_id) else quotable(response_id)
     return NotFound(f"Response with id '{shown}' not found.", param="response_id")
 
 
@@ -88,7 +94,12 @@ def responses_dialect(store: ResponseStore) -> Dialect:
         return writer.fail(failure_code(error), error.message)
 
     def relay(settings: Settings, plan: RequestPlan) -> TranslatingRelay:
-        inner = SseRelay(settings.engine.model, settings.model.alias, client_wants_usage=True)
+        inner = SseRelay(
+            settings.engine.model,
+            settings.model.alias,
+            client_wants_usage=True,
+            max_event_bytes=settings.engine.max_event_bytes,
+        )
         writer = ResponsesWriter(settings.model.alias, _extra(plan), on_end=keep)
         return TranslatingRelay(inner, writer, fail, KEEPALIVE_COMMENT)
 
@@ -109,6 +120,7 @@ def responses_dialect(store: ResponseStore) -> Dialect:
         error_body=responses_error_bytes,
         error_event=error_event,
         keepalive=KEEPALIVE_COMMENT,
+        store_answer=store.put_json,
     )
 
 
@@ -139,7 +151,7 @@ async def get_response(request: web.Request) -> web.Response:
     entry = store.get(tenant, response_id)
     if entry is None:
         raise _not_found(response_id)
-    return web.json_response(entry.response)
+    return web.Response(body=entry.response_json, content_type="application/json")
 
 
 async def delete_response(request: web.Request) -> web.Response:

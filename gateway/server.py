@@ -11,65 +11,20 @@ import gc
 import signal
 import sys
 import time
-from http import HTTPStatus
 from typing import Any
 
 import structlog
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
 
 from gateway.app import create_app
 from gateway.config import ConfigError, Settings, listener_problem
 from gateway.drain import Drain
-from gateway.errors import BadRequest, GatewayError, HttpError
 from gateway.exposition import create_metrics_app
-from gateway.state import ADMISSION, DRAIN, METRICS, RELOADER
+from gateway.http_errors import GatewayRunner
+from gateway.state import ADMISSION, DRAIN, LIVE, METRICS, RELOADER
 from gateway.tls import TlsFiles
 
 log = structlog.get_logger("gateway")
-
-
-class _RequestHandler(RequestHandler):
-    """aiohttp's connection handler, answering unparseable requests in OpenAI's error shape.
-
-    aiohttp's own answer to a malformed request line or header is a text page that quotes the
-    offending header, which may hold a credential; this one names no input, and logs one line
-    without a traceback (clients on the public port can send garbage at will).
-    """
-
-    def handle_error(
-        self,
-        request: BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if status >= 500 or request.writer.output_size > 0:
-            return super().handle_error(request, status, exc, None)
-        log.info("http_error", status=status, error=type(exc).__name__ if exc else None)
-        error: GatewayError = BadRequest("Malformed HTTP request.")
-        if status != 400:
-            error = HttpError(status, HTTPStatus(status).phrase)
-        response = web.Response(
-            status=status, body=error.json_bytes(), content_type="application/json"
-        )
-        response.force_close()
-        return response
-
-
-class _Server(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _RequestHandler(self, loop=self._loop, **self._kwargs)
-
-
-class GatewayRunner(web.AppRunner):
-    """`web.AppRunner` whose connections use `_RequestHandler`."""
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = _Server
-        return server
 
 
 def install_uvloop() -> None:
@@ -173,11 +128,12 @@ async def serve(settings: Settings, config_path: str | None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _force_exit)
         drain.announce()
-        if settings.server.drain_delay_s > 0:
+        delay = app[LIVE].current.settings.server.drain_delay_s  # a reload may have changed it
+        if delay > 0:
             # /ready says 503 while everything is still served: the load balancer's health
             # checks take this gateway out before its listener closes.
-            log.info("gateway_drain_announced", delay_s=settings.server.drain_delay_s)
-            await asyncio.sleep(settings.server.drain_delay_s)
+            log.info("gateway_drain_announced", delay_s=delay)
+            await asyncio.sleep(delay)
         await _drain(app, runners, drain, grace)
     finally:
         for watcher in list(watchers):

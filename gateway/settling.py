@@ -1,7 +1,8 @@
 """The end of a model call: its usage made final (exact for a request cut short), its engine slot
 given back, its tokens counted and its limits and quotas settled, whatever ended it.
 
-`take_baseline` reads the engine's counters before a request that holds the engine's only slot;
+`take_baseline` gives a request that holds the engine's only slot the engine's counters read
+while the engine was idle before it;
 `release_ticket` waits, for a request cut short, until the engine's abort has landed and charges
 the counter delta (`gateway.counters`), then frees the slot; `settle` asks the engine for its
 own prompt count of a cut request whose prompt count the engine never reported (after the slot
@@ -18,17 +19,12 @@ from typing import Any
 from aiohttp import web
 
 from gateway.admission import Ticket
-from gateway.counters import (
-    BASELINE_TIMEOUT_S,
-    Baseline,
-    generated,
-    read_counters,
-    settled_counters,
-)
+from gateway.counters import generated, settled_counters
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
     ENGINE_STATE,
+    IDLE_COUNTERS,
     LIMITER,
     METRICS,
     UPSTREAM,
@@ -70,11 +66,15 @@ async def release_ticket(request: web.Request, call: ModelCall, ticket: Ticket) 
             after = await settled_counters(request.app[UPSTREAM], baseline.counters)
             if after is not None and request.app[ADMISSION].grants == baseline.grants:
                 usage.generated = generated(baseline.counters, after)
+                request.app[IDLE_COUNTERS].keep(after, baseline.grants)
     finally:
         if needs_prompt_count(call):
             ticket.release(call.plan.prompt_estimate + usage.completion_so_far())
         else:
             ticket.release(sum(usage.settle(call.plan.prompt_estimate, call.plan.n)))
+        admission = request.app[ADMISSION]
+        if admission.max_concurrency == 1 and admission.in_flight == 0:
+            request.app[IDLE_COUNTERS].refresh(admission.grants)
 
 
 def needs_prompt_count(call: ModelCall) -> bool:
@@ -86,17 +86,16 @@ def needs_prompt_count(call: ModelCall) -> bool:
 
 
 async def take_baseline(request: web.Request, call: ModelCall) -> None:
-    """Read the engine's counters before sending ``call``, when it holds the engine's only slot
-    (``engine.max_concurrency = 1`` and no other request at the engine); else none is taken
-    and a cut is charged its streamed usage (`gateway.state.Usage.settle`)."""
+    """The engine's counters before sending ``call``, when it holds the engine's only slot
+    (``engine.max_concurrency = 1`` and no other request at the engine): the reading taken
+    while the engine was idle since the previous request (`gateway.counters.IdleCounters`), so
+    the request path reads ``/metrics`` only when there is none; else no baseline is taken and
+    a cut is charged its streamed usage (`gateway.state.Usage.settle`)."""
     call.baseline = None
     admission = request.app[ADMISSION]
     if admission.max_concurrency != 1 or admission.in_flight != 1:
         return
-    grants = admission.grants
-    counters = await read_counters(request.app[UPSTREAM], timeout=BASELINE_TIMEOUT_S)
-    if counters is not None and counters.busy == 0:
-        call.baseline = Baseline(counters, grants)
+    call.baseline = await request.app[IDLE_COUNTERS].baseline(admission.grants)
 
 
 async def settle(request: web.Request, call: ModelCall) -> None:

@@ -34,11 +34,16 @@ import structlog
 log = structlog.get_logger("gateway.sse")
 
 DONE_EVENT = b"data: [DONE]\n\n"
-_MAX_EVENT_BYTES = 16 * 1024 * 1024
+MAX_EVENT_BYTES = 8 * 1024 * 1024
+"""Default of the largest event relayed (``engine.max_event_bytes``)."""
 
 
 class StreamProtocolError(Exception):
-    """The upstream stream cannot be relayed (an event over 16 MiB without a terminator)."""
+    """The upstream stream cannot be relayed."""
+
+
+class EventTooLarge(StreamProtocolError):
+    """One upstream event is larger than the relay's ``max_event_bytes``."""
 
 
 @dataclass
@@ -120,6 +125,9 @@ class SseRelay:
             the ``usage`` of each chunk is observed and cut out of the chunk's bytes.
         n: choices requested; a stream that ends after ``n`` finish reasons without ``[DONE]``
             still counts as a clean end (case C06a).
+        max_event_bytes: the largest event relayed (``engine.max_event_bytes``): an event, or
+            an unterminated rest of one, past it stops the relay, so one stream holds at most
+            about this much of the engine's answer at once.
 
     Usage: call `feed` with each upstream read and write what it returns (possibly ``b""``);
     at upstream EOF call `finish` and write what it returns.
@@ -133,8 +141,10 @@ class SseRelay:
         client_wants_usage: bool,
         client_wants_running_usage: bool = False,
         n: int = 1,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         self.state = RelayState()
+        self._max_event = max_event_bytes
         self._buf = b""
         self._pending_cr = False
         self._wants_usage = client_wants_usage
@@ -148,21 +158,28 @@ class SseRelay:
         """Consume one upstream read; return the bytes to send to the client now.
 
         Raises:
-            StreamProtocolError: an unterminated event grew beyond 16 MiB.
+            EventTooLarge: an event (or the unterminated rest of one) is over
+                ``max_event_bytes``.
         """
         if b"\r" in data or self._pending_cr:
             data = self._normalise_newlines(data)
         buf = self._buf + data if self._buf else data
         end = buf.rfind(b"\n\n")
         if end < 0:
-            if len(buf) > _MAX_EVENT_BYTES:
-                raise StreamProtocolError("event larger than 16 MiB without a terminator")
+            if len(buf) > self._max_event:
+                raise EventTooLarge(f"an event larger than {self._max_event} bytes")
             self._buf = buf
             return b""
         if end + 2 == len(buf):
             complete, self._buf = buf, b""
         else:
             complete, self._buf = buf[: end + 2], buf[end + 2 :]
+            if len(self._buf) > self._max_event:
+                raise EventTooLarge(f"an event larger than {self._max_event} bytes")
+        if len(complete) > self._max_event and any(
+            len(block) > self._max_event for block in complete.split(b"\n\n")
+        ):
+            raise EventTooLarge(f"an event larger than {self._max_event} bytes")
         fast = self._plain_events(complete)
         if fast is not None:
             return fast

@@ -18,9 +18,10 @@ from aiohttp import web
 
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue, Ticket
+from gateway.answers import AnswerWorker
 from gateway.auth import Authenticator, Principal, revoked_digests
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
-from gateway.counters import Baseline, Generated
+from gateway.counters import Baseline, Generated, IdleCounters
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, Dialect
 from gateway.drain import Drain
@@ -323,6 +324,8 @@ LIVE = web.AppKey("live", LiveRef)
 METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM = web.AppKey("upstream", Upstream)
 ENGINE_STATE = web.AppKey("engine_state", EngineState)
+IDLE_COUNTERS = web.AppKey("idle_counters", IdleCounters)
+ANSWER_WORKER = web.AppKey("answer_worker", AnswerWorker)
 LIMITER = web.AppKey("limiter", RateLimiter)
 ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)

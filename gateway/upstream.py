@@ -24,6 +24,7 @@ from gateway.config import EngineSettings
 from gateway.errors import (
     RETRY_AFTER_DOWN_S,
     RETRY_AFTER_STARTING_S,
+    EngineAnswerTooLarge,
     EngineBadResponse,
     EngineBusy,
     EngineDisconnected,
@@ -45,6 +46,8 @@ EngineStatus = Literal["starting", "warming", "ready", "down"]
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
 REFUSED = "connection refused"
 """Probe reason: the socket is missing or refuses connections (the engine process is gone)."""
+ERROR_BODY_MAX_BYTES = 1 << 20
+"""Most bytes of a non-200 engine answer read (vLLM's error bodies are a few hundred bytes)."""
 HEALTH_TIMEOUT = "health timeout"
 """Probe reason: no answer within the probe's timeout (a slow engine gives it too)."""
 
@@ -325,15 +328,39 @@ class UpstreamAnswer:
         """The body as an async iterator of reads (``async for data in answer.chunks()``)."""
         return self
 
-    async def body(self) -> bytes:
-        """The whole body.
+    async def body(self, limit: int) -> bytes:
+        """The whole body, at most ``limit`` bytes (``engine.max_answer_bytes``).
+
+        Raises: as `parts`.
+        """
+        return b"".join(await self.parts(limit))
+
+    async def parts(self, limit: int) -> list[bytes]:
+        """The whole body as the reads that brought it, at most ``limit`` bytes in all.
+
+        An answer whose ``Content-Length`` or bytes read pass ``limit`` is refused before more
+        of it is held: the caller aborts the answer (the engine stops generating). The reads
+        are not joined: a copy of a large answer in one step would hold up every other request.
 
         Raises:
+            EngineAnswerTooLarge: the answer is larger than ``limit`` bytes.
             GatewayTimeout: no byte for ``engine.read_timeout_s``.
             EngineDisconnected: the connection dropped.
         """
+        length = self._response.content_length
+        if length is not None and length > limit:
+            raise self._upstream.failed(EngineAnswerTooLarge("answer", limit))
+        parts: list[bytes] = []
+        size = 0
         try:
-            return await self._response.read()
+            while True:
+                data = await self._content.readany()
+                if not data:
+                    return parts
+                size += len(data)
+                if size > limit:
+                    raise self._upstream.failed(EngineAnswerTooLarge("answer", limit))
+                parts.append(data)
         except asyncio.TimeoutError as exc:
             self.broken = True
             raise self._upstream.failed(GatewayTimeout(), exc) from exc
@@ -344,9 +371,9 @@ class UpstreamAnswer:
     async def error(self) -> GatewayError:
         """The error a non-200 answer stands for (`engine_error`), body read; counted when 5xx."""
         try:
-            raw = await self._response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return self._upstream.failed(EngineDisconnected(), exc)
+            raw = await self.body(ERROR_BODY_MAX_BYTES)
+        except UpstreamError as exc:  # counted by body()
+            return exc
         error = engine_error(self.status, raw)
         if isinstance(error, UpstreamError):
             self._upstream.failed(error)

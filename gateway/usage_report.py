@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.errors import quotable
 from gateway.ledger import open_readonly
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -67,7 +68,7 @@ def parse_day(text: str, what: str) -> dt.date:
     try:
         return dt.date.fromisoformat(text)
     except ValueError:
-        raise ReportError(f"{what} must be a date as YYYY-MM-DD, not {text!r}") from None
+        raise ReportError(f"{what} must be a date as YYYY-MM-DD, not '{quotable(text)}'") from None
 
 
 def make_span(since: str | None, until: str | None, today: dt.date) -> Span:

@@ -221,6 +221,9 @@ _SAMPLING: dict[str, Check] = {
     "truncate_prompt_tokens": integer(-1),
     "response_format": obj,
     "priority": integer(),
+    # vLLM's chat and completions requests both carry it; a string "2" must be a 400 on
+    # either route, never reach a comparison (case C28).
+    "best_of": integer(1, MAX_N),
 }
 _CHAT: dict[str, Check] = {
     **_SAMPLING,
@@ -241,7 +244,6 @@ _CHAT: dict[str, Check] = {
 _COMPLETIONS: dict[str, Check] = {
     **_SAMPLING,
     "prompt": prompt,
-    "best_of": integer(1, MAX_N),
     "echo": boolean,
     "logprobs": integer(0, MAX_TOP_LOGPROBS),
     "suffix": string,
@@ -253,7 +255,10 @@ _KNOWN_NAMES = frozenset(_CHAT) | frozenset(_COMPLETIONS) | {"reasoning_content"
 def validate_fields(body: Mapping[str, Any], kind: Kind) -> None:
     """Check the type and range of every documented field present (null means absent).
 
-    Cross-field rules: ``min_tokens`` <= the output limit; ``best_of`` >= ``n``.
+    Cross-field rules: ``min_tokens`` <= the output limit; ``best_of`` >= ``n``. They compare
+    only values that passed their own checks above (on either route, a field the route does not
+    document is compared only when it is a JSON integer), so no value reaches a comparison of
+    the wrong type.
 
     Raises:
         BadRequest: the first field at fault, named in ``param``.
@@ -267,14 +272,18 @@ def validate_fields(body: Mapping[str, Any], kind: Kind) -> None:
         for flag in ("include_usage", "continuous_usage_stats"):
             if options.get(flag) is not None:
                 boolean(options[flag], f"stream_options.{flag}")
-    limit = body.get("max_completion_tokens") or body.get("max_tokens")
-    min_tokens = body.get("min_tokens")
+    limit = _int_or_none(body.get("max_completion_tokens")) or _int_or_none(body.get("max_tokens"))
+    min_tokens = _int_or_none(body.get("min_tokens"))
     if limit is not None and min_tokens is not None and min_tokens > limit:
         raise BadRequest("'min_tokens' must not exceed the output limit.", param="min_tokens")
-    n = body.get("n") or 1
-    best_of = body.get("best_of")
+    n = _int_or_none(body.get("n")) or 1
+    best_of = _int_or_none(body.get("best_of"))
     if best_of is not None and best_of < n:
         raise BadRequest("'best_of' must be >= 'n'.", param="best_of")
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if is_int(value) else None
 
 
 def find_unsendable(value: Any) -> tuple[str, str] | None:

@@ -234,6 +234,7 @@ def start_gateway(
                 base["tenants"].setdefault(tenant, {}).update(table)
         else:
             base.setdefault(section, {}).update(values)
+    port, metrics_port = base["server"]["port"], base["metrics"]["port"]  # a test may fix them
     config_path = workdir / f"{name}.toml"
     config_path.write_text(to_toml(base))
     log_path = workdir / f"{name}.log"

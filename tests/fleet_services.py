@@ -148,8 +148,9 @@ class HAProxy:
     def __init__(self, workdir: Path, gateways: list[int]) -> None:
         assert HAPROXY is not None
         self.port = free_port()
+        self.stats_port = free_port()
         self.cfg = workdir / "haproxy.cfg"
-        self.cfg.write_text(haproxy_config(self.port, gateways))
+        self.cfg.write_text(haproxy_config(self.port, gateways, self.stats_port))
         self.log = workdir / "haproxy.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -172,6 +173,25 @@ class HAProxy:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"haproxy did not start: {self.log.read_text()[-2000:]}")
+
+    def servers(self) -> dict[tuple[str, str], str]:
+        """``(backend, server)``: status (``UP``, ``DOWN``, ...) from HAProxy's CSV stats."""
+        import csv
+        import io
+
+        import httpx
+
+        text = httpx.get(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=5).text
+        rows = csv.DictReader(io.StringIO(text.lstrip("# ")))
+        return {
+            (row["pxname"], row["svname"]): row["status"]
+            for row in rows
+            if row["svname"] not in ("FRONTEND", "BACKEND")
+        }
+
+    def all_up(self) -> bool:
+        """True when every server of every backend is UP."""
+        return all(status == "UP" for status in self.servers().values())
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

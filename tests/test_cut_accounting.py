@@ -20,7 +20,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine.sim.keys import METRICS as SIM_METRICS
-from gateway.state import ADMISSION, FINISH_HOOKS, METRICS, RequestContext
+from gateway.state import (
+    ADMISSION,
+    FINISH_HOOKS,
+    IDLE_COUNTERS,
+    METRICS,
+    UPSTREAM,
+    RequestContext,
+)
 from tests.inprocess import (
     AUTH_A,
     ENGINE_MODEL,
@@ -185,6 +192,42 @@ async def test_cut_stream_is_charged_the_engine_counter_delta(
     assert completion > call.usage.streamed.completion_tokens  # generated, never streamed
     assert (charged(stack, "prompt"), charged(stack, "completion")) == (prompt, completion)
     assert stack.app[ADMISSION].in_flight == 0
+
+
+async def test_baseline_is_read_while_the_engine_is_idle_not_on_the_request_path(
+    stack: Stack, logs: list[MutableMapping[str, Any]]
+) -> None:
+    """With one slot the counters read after the previous request ended are the next request's
+    baseline: no /metrics read between its grant and its POST, and its cut is still charged
+    the exact counter delta."""
+    assert stack.sim is not None
+    warm = chat_body(sim={"completion_tokens": 5})
+    assert (await stack.client.post(CHAT, json=warm, headers=AUTH_A)).status == 200
+    idle = stack.app[IDLE_COUNTERS]
+    assert await until(lambda: idle._reading is not None and idle._reading.done())
+    upstream = stack.app[UPSTREAM]
+    order: list[str] = []
+    real_metrics, real_post = upstream.metrics_text, upstream.post
+
+    async def metrics_text(timeout: float) -> str | None:
+        order.append("metrics")
+        return await real_metrics(timeout)
+
+    async def post(*args: Any, **kwargs: Any) -> Any:
+        order.append("post")
+        return await real_post(*args, **kwargs)
+
+    upstream.metrics_text = metrics_text  # type: ignore[method-assign]
+    upstream.post = post  # type: ignore[method-assign]
+    seen = finished(stack)
+    before = engine_counters(stack.sim)
+    await leave_after_events(stack, chat_body(stream=True, max_tokens=4000, sim=LAGGING), 3)
+    assert await until(lambda: bool(seen))
+    after = engine_counters(stack.sim)
+    assert order[0] == "post" and "metrics" in order  # read again only to settle the cut
+    prompt, completion, source = one_charge(seen, logs)
+    assert source == "counters"
+    assert (prompt, completion) == (after[0] - before[0], after[1] - before[1])
 
 
 async def test_cut_non_stream_request_is_charged_the_engine_counter_delta(

@@ -436,7 +436,7 @@ def test_text_format_and_named_tool_choice() -> None:
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"input": "x", "tools": [{"type": "teleport"}]}, "tools[0].type"),
         ({"input": "x", "max_output_tokens": -1}, "max_output_tokens"),
-        ({"input": [{"role": "tool", "content": "x"}]}, "input[0]"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ],
 )
 def test_bad_responses_requests_name_the_parameter(body: dict[str, Any], param: str) -> None:

@@ -294,11 +294,11 @@ ENGINE_OVERFLOW = (
 
 
 def test_context_overflow_wording() -> None:
-    """The engine's prompt-too-long 400 reads as Anthropic's and carries OpenAI's string code."""
+    """The engine's prompt-too-long 400 reads as Anthropic's (its lower bound kept as one) and carries OpenAI's string code."""
     error = BadRequest(ENGINE_OVERFLOW, param="input_tokens")
     assert (
         anthropic_error(error)[1]["error"]["message"]
-        == "prompt is too long: 28321 tokens > 8192 maximum"
+        == "prompt is too long: at least 28321 tokens > 8192 maximum"
     )
     status, body, _ = responses_error(error)
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
@@ -439,3 +439,24 @@ def test_store_history_chains_input_and_output() -> None:
     history = store.history("a", "r1")
     assert history is not None and [h.get("role") for h in history] == ["user", "assistant"]
     assert store.history("b", "r1") is None
+
+
+def test_store_evicts_from_the_tenant_holding_the_most() -> None:
+    """A tenant within its share keeps its entry while another tenant fills the store; entries
+    are held as compact JSON, counted with their overhead."""
+    store = ResponseStore(max_items=100, max_bytes=12_000, ttl_s=60, clock=lambda: 0.0)
+    payload = {"output": ["x" * 900]}
+    assert store.put("b", {"id": "b1", **payload}, [])
+    for i in range(30):
+        assert store.put("a", {"id": f"a{i}", **payload}, [])
+    entry = store.get("b", "b1")
+    assert entry is not None and entry.response["output"] == payload["output"]
+    assert isinstance(entry.response_json, bytes)
+    assert store.get("a", "a0") is None and store.get("a", "a29") is not None
+    assert store.bytes <= store.max_bytes
+    assert store.bytes == store.tenant_bytes("a") + store.tenant_bytes("b")
+    full = ResponseStore(max_items=3, max_bytes=1 << 20, ttl_s=60, clock=lambda: 0.0)
+    full.put("b", {"id": "b1", "output": []}, [])
+    for i in range(5):
+        full.put("a", {"id": f"a{i}", "output": []}, [])
+    assert full.get("b", "b1") is not None and len(full) == 3

@@ -33,6 +33,9 @@ from tests.fleet_services import HAPROXY, HAPROXY_CFG, PG_BIN, Postgres, haproxy
 from tests.test_quarantine import Restarter
 from tests.test_ratelimit_redis import REDIS_SERVER, RedisServer
 
+# Minutes, mostly waiting for processes (tests/README.md, "Layers").
+pytestmark = pytest.mark.slow(200)
+
 SALT = "QWEN38_CACHE_SALT_SECRET=fleet-test-salt-secret-0123456789abcdef\n"
 
 
@@ -193,7 +196,7 @@ def test_unreachable_redis_or_postgres_at_start_is_a_clear_error(
     workdir: Path, sim_factory: Any, gateway_factory: Any
 ) -> None:
     """An unreachable fleet Redis or PostgreSQL DSN stops the start with an error naming the
-    setting; the DSN's password never shows."""
+    setting, and `check` fails on both; the DSN's password never shows."""
     sim = sim_factory()
     closed = f"127.0.0.1:{_closed_port()}"
     with pytest.raises(RuntimeError) as no_redis:
@@ -205,12 +208,43 @@ def test_unreachable_redis_or_postgres_at_start_is_a_clear_error(
     assert "ledger.postgres_dsn" in str(no_pg.value)
     assert "S3cretPassw0rdXYZ" not in str(no_pg.value)
     assert "S3cretPassw0rdXYZ" not in (workdir / "p.log").read_text()
+    config = workdir / "p.toml"
+    config.write_text(
+        config.read_text().replace(
+            "[ledger]", f'[fleet]\nredis_url = "redis://{closed}/0"\n\n[ledger]', 1
+        )
+    )
+    checked = subprocess.run(
+        [sys.executable, "-m", "gateway", "check", "--config", str(config)],
+        capture_output=True, text=True, cwd=REPO, timeout=60, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 1
+    assert "FAIL fleet: fleet.redis_url" in checked.stdout
+    assert "FAIL ledger: ledger.postgres_dsn" in checked.stdout
+    assert "S3cretPassw0rdXYZ" not in checked.stdout + checked.stderr
 
 
 def _closed_port() -> int:
     from tests.conftest import free_port
 
     return free_port()
+
+
+def test_rpm_limit_is_exact_across_two_gateways(
+    redis_url: str, sim_factory: Any, gateway_factory: Any
+) -> None:
+    """A tenant's rpm of 5 shared through Redis: 12 requests alternating between two gateways
+    get exactly 5 answers and 7 429s."""
+    gws = []
+    for name in ("la", "lb"):
+        cfg = {
+            "fleet": fleet(redis_url, name),
+            "ratelimit": {"backend": "redis", "redis_url": redis_url},
+            "tenants": {"acme": {"rpm": 5}},
+        }
+        gws.append(gateway_factory(sim_factory(name=f"engine-{name}"), cfg, name=name))
+    statuses = [chat(gws[i % 2].base_url, KEY_A, f"r{i}").status_code for i in range(12)]
+    assert statuses.count(200) == 5 and statuses.count(429) == 7, statuses
 
 
 # ----------------------------------------------------------------------------- revocation

@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from gateway.sse import DONE_EVENT, SseRelay, StreamProtocolError, rewrite_completion_body
+from gateway.sse import (
+    DONE_EVENT,
+    EventTooLarge,
+    SseRelay,
+    StreamProtocolError,
+    rewrite_completion_body,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -146,11 +152,20 @@ def test_multiline_data_is_joined() -> None:
 
 
 def test_oversized_event_is_refused() -> None:
-    """An unterminated event beyond 16 MiB raises instead of buffering without bound."""
+    """An event over max_event_bytes raises, whether unterminated, whole in one read or
+    followed by an unterminated rest, instead of buffering without bound."""
     r = relay()
-    r.feed(b"data: " + b"x" * (8 * 1024 * 1024))
+    r.feed(b"data: " + b"x" * (4 * 1024 * 1024))
     with pytest.raises(StreamProtocolError):
-        r.feed(b"x" * (9 * 1024 * 1024))
+        r.feed(b"x" * (5 * 1024 * 1024))
+    small = SseRelay("m", "m", client_wants_usage=False, max_event_bytes=1024)
+    assert small.feed(b'data: {"a":"' + b"x" * 900 + b'"}\n\n')
+    with pytest.raises(EventTooLarge):
+        small.feed(b'data: {"a":"' + b"x" * 2000 + b'"}\n\n')
+    with pytest.raises(EventTooLarge):
+        SseRelay("m", "m", client_wants_usage=False, max_event_bytes=1024).feed(
+            b'data: {"a":1}\n\ndata: {"b":"' + b"x" * 2000
+        )
 
 
 def test_non_stream_body_rewrite() -> None:

@@ -122,7 +122,7 @@ async def test_an_answer_streams_its_chunks_and_is_released(
         answer.release()
         assert raw.endswith(b"data: [DONE]\n\n")
         body = await upstream.post(CHAT, chat(), "rid-2")
-        assert json.loads(await body.body())["model"] == ENGINE_MODEL
+        assert json.loads(await body.body(1 << 20))["model"] == ENGINE_MODEL
         body.release()
     finally:
         await upstream.close()

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from gateway.errors import EngineUnavailable, GatewayError
-from gateway.translate.common import context_overflow
+from gateway.translate.common import overflow_of
 
 OVERLOADED_STATUS = 529
 _TYPES = {
@@ -60,9 +60,9 @@ def anthropic_error(exc: GatewayError) -> tuple[int, dict[str, Any], dict[str, s
     if isinstance(exc, EngineUnavailable):
         status = OVERLOADED_STATUS
     message = exc.message
-    overflow = context_overflow(exc)
+    overflow = overflow_of(exc)
     if overflow is not None:
-        message = f"prompt is too long: {overflow[0]} tokens > {overflow[1]} maximum"
+        message = overflow.anthropic_message()
     body = {"type": "error", "error": {"type": error_type(status), "message": message}}
     return status, body, anthropic_headers(exc.headers)
 

@@ -13,7 +13,7 @@ and the ``anthropic`` SDK's ``MessageCreateParams``. The mapping:
   become ``tool_calls``; ``tool_result`` blocks become ``tool`` messages. ``image`` and
   ``document`` blocks are refused: the deployed model reads text only.
 - Custom tools become function tools; Anthropic-hosted tools (``web_search_*``, ``web_fetch_*``,
-  ``code_execution_*``, ...) and schema-less client tools are left out (`Translated.dropped_tools`).
+  ``code_execution_*``, ...) are left out (`Translated.dropped_tools`).
 - ``tool_choice`` ``auto``/``any``/``tool``/``none`` become ``auto``/``required``/the named
   function/``none``; ``disable_parallel_tool_use`` becomes ``parallel_tool_calls: false``.
 - ``thinking``: ``enabled`` turns thinking on (``budget_tokens`` becomes vLLM's
@@ -23,19 +23,24 @@ and the ``anthropic`` SDK's ``MessageCreateParams``. The mapping:
   ``response_format``.
 - ``max_tokens`` (required) is clamped to what fits in the context.
 - ``metadata``, ``context_management``, ``cache_control``, ``service_tier``, ``container`` and
-  any client ``cache_salt``/``priority``/``request_id`` are not forwarded.
+  any client ``cache_salt``/``priority``/``request_id`` are not forwarded (what each changes:
+  nothing in the answer, see gateway/README.md "What the translations leave out").
+  ``mcp_servers``, a custom tool without ``input_schema``, and a ``tool_choice`` that needs a
+  tool the model cannot call here (``any`` with only hosted tools, a named hosted tool) are
+  refused with a 400 naming why, rather than answered without them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, quotable
 from gateway.translate.common import (
     Translated,
     arguments_text,
     clamp_output,
     expect,
+    label,
     number,
     positive_int,
     tool_function,
@@ -64,6 +69,12 @@ def translate_messages(body: Any, *, max_model_len: int, count_only: bool = Fals
         raise BadRequest("model: Field required", param="model")
     expect(model, str, "model")
     messages = expect(body.get("messages"), list, "messages")
+    if body.get("mcp_servers") not in (None, []):
+        # Anthropic's MCP connector: the API would call these servers' tools; leaving them
+        # out would answer without the tools the request counts on.
+        raise BadRequest(
+            "mcp_servers: the MCP connector is not available on this server", param="mcp_servers"
+        )
 
     chat: dict[str, Any] = {"model": model}
     system_parts = _system_texts(body.get("system"))
@@ -107,7 +118,7 @@ def translate_messages(body: Any, *, max_model_len: int, count_only: bool = Fals
                 functions.append(converted)
         if functions:
             chat["tools"] = functions
-    _tool_choice(body.get("tool_choice"), chat)
+    _tool_choice(body.get("tool_choice"), chat, result.dropped_tools)
     _thinking(body.get("thinking"), chat)
     _output_config(body.get("output_config"), chat)
     if count_only:
@@ -162,7 +173,7 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = expect(content, list, where)
     for index, block in enumerate(blocks):
         expect(block, dict, f"{where}.{index}")
-        kind = block.get("type")
+        kind = expect(block.get("type"), str, f"{where}.{index}.type")
         if kind in _UNSUPPORTED_BLOCKS:
             raise BadRequest(
                 f"{where}.{index}: '{kind}' content is not supported: this model reads text only",
@@ -200,7 +211,9 @@ def _user_messages(content: Any, where: str) -> list[dict[str, Any]]:
                 text = "Error: " + text
             tools.append({"role": "tool", "tool_call_id": call_id, "content": text})
         else:
-            raise BadRequest(f"{at}.type: '{kind}' is not a user content block", param=f"{at}.type")
+            raise BadRequest(
+                f"{at}.type: '{quotable(kind)}' is not a user content block", param=f"{at}.type"
+            )
     out = tools
     if texts or not tools:
         out.append({"role": "user", "content": "\n\n".join(texts)})
@@ -220,10 +233,11 @@ def _tool_result_text(content: Any, where: str) -> str:
         if kind == "text":
             texts.append(expect(block.get("text"), str, f"{where}.{index}.text"))
         elif kind == "tool_reference":
-            texts.append(f"Tool loaded: {block.get('tool_name', '')}")
+            name = expect(block.get("tool_name", ""), str, f"{where}.{index}.tool_name")
+            texts.append(f"Tool loaded: {name}")
         else:
             raise BadRequest(
-                f"{where}.{index}.type: '{kind}' is not supported in a tool result",
+                f"{where}.{index}.type: '{quotable(kind)}' is not supported in a tool result",
                 param=f"{where}.{index}.type",
             )
     return "\n\n".join(texts)
@@ -255,7 +269,8 @@ def _assistant_message(content: Any, where: str) -> dict[str, Any]:
             )
         else:
             raise BadRequest(
-                f"{at}.type: '{kind}' is not an assistant content block", param=f"{at}.type"
+                f"{at}.type: '{quotable(kind)}' is not an assistant content block",
+                param=f"{at}.type",
             )
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if reasoning:
@@ -266,14 +281,24 @@ def _assistant_message(content: Any, where: str) -> dict[str, Any]:
 
 
 def _tool(tool: Any, where: str, dropped: list[str]) -> dict[str, Any] | None:
-    """A custom tool as a chat function; a hosted or schema-less tool is dropped (None)."""
+    """A custom tool as a chat function; an Anthropic-hosted tool (a versioned ``type`` such as
+    ``web_search_20250305``) is left out (None, its name in ``dropped``).
+
+    Raises:
+        BadRequest: a custom tool without ``input_schema`` (Anthropic requires it; leaving the
+            tool out would change the request), or a field of the wrong type.
+    """
     expect(tool, dict, where)
     kind = tool.get("type")
     name = tool.get("name")
-    if kind not in (None, "custom") or "input_schema" not in tool:
-        dropped.append(str(name or kind))
+    if kind is not None:
+        expect(kind, str, f"{where}.type")
+    if kind not in (None, "custom"):
+        dropped.append(label(name if isinstance(name, str) else kind))
         return None
     expect(name, str, f"{where}.name")
+    if "input_schema" not in tool:
+        raise BadRequest(f"{where}.input_schema: Field required", param=f"{where}.input_schema")
     schema = expect(tool.get("input_schema"), dict, f"{where}.input_schema")
     description = tool.get("description")
     if description is not None:
@@ -281,28 +306,54 @@ def _tool(tool: Any, where: str, dropped: list[str]) -> dict[str, Any] | None:
     return tool_function(name, description, schema)
 
 
-def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
+def _tool_choice(choice: Any, chat: dict[str, Any], dropped: list[str]) -> None:
+    """``tool_choice`` onto the chat route, or a 400 when it cannot be honoured as asked.
+
+    ``any`` and a named ``tool`` need a custom tool the model can call: with only hosted tools
+    (which this server leaves out) the answer would be text, against the request (case C31);
+    a named tool must be one of the request's custom tools.
+    """
     if choice is None:
         return
     expect(choice, dict, "tool_choice")
     kind = choice.get("type")
+    names = {tool["function"]["name"] for tool in chat.get("tools") or []}
+    unavailable = (
+        f" (this server cannot run the hosted tools {', '.join(sorted(set(dropped)))})"
+        if dropped
+        else ""
+    )
     if kind == "auto":
         value: Any = "auto"
     elif kind == "any":
+        if not names:
+            raise BadRequest(
+                f"tool_choice.type: 'any' needs at least one custom tool in tools{unavailable}",
+                param="tool_choice.type",
+            )
         value = "required"
     elif kind == "none":
         value = "none"
     elif kind == "tool":
         name = expect(choice.get("name"), str, "tool_choice.name")
+        if name not in names:
+            raise BadRequest(
+                f"tool_choice.name: '{label(name)}' is not one of the custom tools in "
+                f"tools{unavailable}",
+                param="tool_choice.name",
+            )
         value = {"type": "function", "function": {"name": name}}
     else:
         raise BadRequest(
             "tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'",
             param="tool_choice.type",
         )
+    disable_parallel = choice.get("disable_parallel_tool_use")
+    if disable_parallel is not None:
+        expect(disable_parallel, bool, "tool_choice.disable_parallel_tool_use")
     if "tools" in chat:
         chat["tool_choice"] = value
-        if choice.get("disable_parallel_tool_use") is True:
+        if disable_parallel is True:
             chat["parallel_tool_calls"] = False
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import BadRequest, GatewayError
+from gateway.errors import BadRequest, EngineRejected, GatewayError, quotable
 from gateway.rewrite import estimate_prompt_tokens
 
 
@@ -88,10 +88,38 @@ def number(body: Mapping[str, Any], name: str) -> float | None:
 def expect(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
     """``value`` when it is of ``kind``; else BadRequest naming ``name``."""
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        label = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+        label = {
+            dict: "an object",
+            list: "an array",
+            str: "a string",
+            bool: "a boolean",
+            int: "an integer",
+        }
         wanted = label.get(kind, "valid") if isinstance(kind, type) else "valid"
         raise BadRequest(f"{name}: must be {wanted}", param=name)
     return value
+
+
+_VOCABULARY_RE = re.compile(r"[a-z][a-z0-9_]{0,39}")
+
+
+def label(value: Any) -> str:
+    """A tool name or type for an error message: a lowercase identifier of up to 40 characters
+    (the shape of every hosted tool's name and type: ``web_search_preview``,
+    ``str_replace_based_edit_tool``) as it is; anything else as `quotable` shows it."""
+    if isinstance(value, str) and _VOCABULARY_RE.fullmatch(value):
+        return value
+    return quotable(value)
+
+
+def one_of(value: Any, choices: tuple[str, ...], name: str) -> str:
+    """``value`` when it is one of ``choices``; else BadRequest naming ``name`` and the choices
+    (the value itself quoted only when `quotable`)."""
+    if isinstance(value, str) and value in choices:
+        return value
+    allowed = ", ".join(f"'{choice}'" for choice in choices)
+    shown = f"'{quotable(value)}'" if isinstance(value, str) else "a value of another type"
+    raise BadRequest(f"{name}: must be one of {allowed}, not {shown}", param=name)
 
 
 def arguments_object(raw: str) -> dict[str, Any]:
@@ -113,22 +141,86 @@ def arguments_text(value: Any) -> str:
     return json.dumps(value if value is not None else {}, ensure_ascii=False)
 
 
-# vLLM's wording (vllm/entrypoints/renderer: "This model's maximum context length is M tokens.
-# However, you requested X output tokens and your prompt contains [at least ]N input tokens").
+# vLLM's wordings of a prompt over the context: "This model's maximum context length is M
+# tokens. However, you requested W output tokens and your prompt contains [at least ]N input
+# tokens, for a total of ..." (the 0.2x renderer) and "... However, your prompt contains [at
+# least ]N input tokens, which exceeds this limit even without any output tokens."
+# (vllm/renderers/params.py). "At least": the prompt was tokenized with truncation, so N is a
+# lower bound.
 _OVERFLOW_RE = re.compile(
-    r"maximum context length is (\d+) tokens.*?prompt contains (?:at least )?(\d+) input tokens",
+    r"maximum context length is (\d+) tokens.*?(?:requested (\d+) output tokens.*?)?"
+    r"prompt contains (at least )?(\d+) input tokens",
     re.S,
 )
 
 
-def context_overflow(error: GatewayError) -> tuple[int, int] | None:
-    """(prompt tokens, context length) when ``error`` is the engine's prompt-too-long 400."""
+@dataclass(frozen=True)
+class Overflow:
+    """A prompt over the context, as the engine's 400 (or a count) states it.
+
+    Attributes:
+        prompt: prompt tokens; a lower bound when ``at_least``.
+        at_least: ``prompt`` is a lower bound (the engine stopped tokenizing past the limit).
+        output: the output budget the engine was asked for, when known.
+        context: the context length (``max_model_len``).
+    """
+
+    prompt: int
+    at_least: bool
+    output: int | None
+    context: int
+
+    def anthropic_message(self) -> str:
+        """The Anthropic API's wording, with true numbers (case C31).
+
+        A prompt over the context alone: ``prompt is too long: P tokens > M maximum`` (the
+        wording Claude Code compacts on; a prompt of exactly M tokens is stated against M - 1,
+        since one token must stay for the answer). A prompt that fits but not with the output
+        budget W: ``input length and `max_tokens` exceed context limit: P + W > M, ...`` (the
+        wording Claude Code lowers ``max_tokens`` on). ``at least`` stays in front of a count
+        that is only a lower bound.
+        """
+        shown = f"at least {self.prompt}" if self.at_least else str(self.prompt)
+        if self.prompt > self.context:
+            return f"prompt is too long: {shown} tokens > {self.context} maximum"
+        if self.prompt == self.context or not self.output:
+            return f"prompt is too long: {shown} tokens > {self.context - 1} maximum"
+        return (
+            f"input length and `max_tokens` exceed context limit: {shown} + {self.output} > "
+            f"{self.context}, decrease input length or `max_tokens` and try again"
+        )
+
+
+def overflow_of(error: GatewayError) -> Overflow | None:
+    """The engine's prompt-too-long 400 read into an `Overflow`, or None for any other error."""
+    if isinstance(error, PromptTooLong):
+        return error.overflow
     if error.status != 400:
         return None
     match = _OVERFLOW_RE.search(error.message)
     if match is None:
         return None
-    return int(match.group(2)), int(match.group(1))
+    output = int(match.group(2)) if match.group(2) else None
+    return Overflow(int(match.group(4)), bool(match.group(3)), output, int(match.group(1)))
+
+
+def context_overflow(error: GatewayError) -> tuple[int, int] | None:
+    """(prompt tokens, context length) when ``error`` is the engine's prompt-too-long 400."""
+    overflow = overflow_of(error)
+    return None if overflow is None else (overflow.prompt, overflow.context)
+
+
+class PromptTooLong(EngineRejected):
+    """The engine's prompt-too-long 400 with the prompt's exact count when one was taken.
+
+    ``message`` stays the engine's (OpenAI's routes pass it through); ``overflow`` holds the
+    numbers the Anthropic route states.
+    """
+
+    def __init__(self, engine_error: GatewayError, overflow: Overflow) -> None:
+        super().__init__(engine_error.status, engine_error.message, param=engine_error.param)
+        self.headers.update(engine_error.headers)
+        self.overflow = overflow
 
 
 def tool_function(name: str, description: str | None, parameters: Any) -> dict[str, Any]:

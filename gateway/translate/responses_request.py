@@ -20,21 +20,28 @@ Field names follow OpenAI's API reference ("Responses", "Create a model response
   default decides. ``max_output_tokens`` is clamped to what fits in the context.
 - ``text.format`` ``json_schema``/``json_object`` becomes ``response_format``.
 - ``include``, ``prompt_cache_key``, ``client_metadata``, ``service_tier``, ``truncation``,
-  ``user``, ``safety_identifier`` and any client ``cache_salt``/``priority``/``request_id`` are
-  not forwarded. ``background``, ``conversation`` and ``prompt`` templates are refused.
+  ``user``, ``safety_identifier``, ``max_tool_calls``, ``text.verbosity``, ``reasoning.summary``
+  and any client ``cache_salt``/``priority``/``request_id`` are not forwarded (checked, and
+  echoed where the API echoes them; why leaving each out changes nothing the client relies
+  on: gateway/README.md "What the translations leave out"). ``background``,
+  ``conversation``, ``prompt`` templates, ``top_logprobs`` above 0, an ``include`` asking for
+  log probabilities, and a ``tool_choice`` that needs a tool the model cannot call here are
+  refused with a 400 naming why.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, quotable
 from gateway.translate.common import (
     Translated,
     arguments_text,
     clamp_output,
     expect,
+    label,
     number,
+    one_of,
     positive_int,
     tool_function,
 )
@@ -56,6 +63,27 @@ HOSTED_TOOLS = frozenset(
     }
 )
 _REFUSED_FIELDS = ("background", "conversation", "prompt")
+# OpenAI API reference, "Create a model response": the documented values of the echoed enums.
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+SUMMARIES = ("auto", "concise", "detailed")
+VERBOSITIES = ("low", "medium", "high")
+TRUNCATIONS = ("auto", "disabled")
+# ``include`` values this server honours (the reasoning's encrypted content is always null) or
+# that name output items it never produces (built-in tools, image inputs); any other value
+# (``message.output_text.logprobs``) asks for data it cannot give and is refused.
+INCLUDES = frozenset(
+    {
+        "reasoning.encrypted_content",
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+    }
+)
+# OpenAI API reference, ``metadata``: up to 16 pairs, keys up to 64 and values up to 512 chars.
+METADATA_MAX_PAIRS, METADATA_KEY_MAX, METADATA_VALUE_MAX = 16, 64, 512
 
 
 def translate_responses(
@@ -102,24 +130,30 @@ def translate_responses(
 
     namespaces: dict[str, str] = {}
     tools = body.get("tools")
+    functions: list[dict[str, Any]] = []
     if tools is not None:
-        functions: list[dict[str, Any]] = []
         for index, tool in enumerate(expect(tools, list, "tools")):
             _tool(tool, f"tools[{index}]", functions, namespaces, result.dropped_tools)
-        if functions:
-            chat["tools"] = functions
-            _tool_choice(body.get("tool_choice"), chat)
-            parallel = body.get("parallel_tool_calls")
-            if parallel is not None:
-                chat["parallel_tool_calls"] = expect(parallel, bool, "parallel_tool_calls")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        expect(parallel, bool, "parallel_tool_calls")
+    if functions:
+        chat["tools"] = functions
+        if parallel is not None:
+            chat["parallel_tool_calls"] = parallel
+    _tool_choice(body.get("tool_choice"), chat, result.dropped_tools)
 
     reasoning = body.get("reasoning")
     if reasoning is not None:
         expect(reasoning, dict, "reasoning")
         effort = reasoning.get("effort")
         if effort is not None:
-            chat["reasoning_effort"] = expect(effort, str, "reasoning.effort")
+            chat["reasoning_effort"] = one_of(effort, EFFORTS, "reasoning.effort")
+        for name in ("summary", "generate_summary"):
+            if reasoning.get(name) is not None:
+                one_of(reasoning[name], SUMMARIES, f"reasoning.{name}")
     _text_format(body.get("text"), chat)
+    _echoed_fields(body)
 
     result.stream = bool(expect(body.get("stream", False) or False, bool, "stream"))
     chat["stream"] = result.stream
@@ -159,7 +193,7 @@ def _part_text(part: Any, where: str) -> str:
     if kind == "refusal":
         return str(part.get("refusal") or "")
     raise BadRequest(
-        f"'{where}': '{kind}' content is not supported: this model reads text only.",
+        f"'{where}': '{quotable(kind)}' content is not supported: this model reads text only.",
         param=where,
     )
 
@@ -190,7 +224,9 @@ def _messages(items: list[Any], system_parts: list[str]) -> list[dict[str, Any]]
                     system_parts.append(text)
                 continue
             if role not in ("user", "assistant"):
-                raise BadRequest(f"Invalid value for '{where}.role': {role!r}.", param=where)
+                raise BadRequest(
+                    f"Invalid value for '{where}.role': '{quotable(role)}'.", param=f"{where}.role"
+                )
             seen_turn = True
             message: dict[str, Any] = {"role": role, "content": text}
             if role == "assistant" and reasoning:
@@ -231,7 +267,7 @@ def _messages(items: list[Any], system_parts: list[str]) -> list[dict[str, Any]]
             )
         else:
             raise BadRequest(
-                f"Input items of type '{kind}' are not supported by this server.",
+                f"Input items of type '{quotable(kind)}' are not supported by this server.",
                 param=f"{where}.type",
             )
     if system_parts:
@@ -252,7 +288,15 @@ def _tool(
     kind = tool.get("type")
     if kind == "function":
         name = expect(tool.get("name"), str, f"{where}.name")
-        functions.append(tool_function(name, tool.get("description"), tool.get("parameters")))
+        description = tool.get("description")
+        if description is not None:
+            expect(description, str, f"{where}.description")
+        parameters = tool.get("parameters")
+        if parameters is not None:
+            expect(parameters, dict, f"{where}.parameters")
+        if tool.get("strict") is not None:
+            expect(tool["strict"], bool, f"{where}.strict")
+        functions.append(tool_function(name, description, parameters))
     elif kind == "namespace":
         group = expect(tool.get("name"), str, f"{where}.name")
         for index, inner in enumerate(expect(tool.get("tools") or [], list, f"{where}.tools")):
@@ -261,23 +305,130 @@ def _tool(
             for function in functions[before:]:
                 namespaces[function["function"]["name"]] = group
     elif isinstance(kind, str) and (kind in HOSTED_TOOLS or kind.startswith("web_search")):
-        dropped.append(str(tool.get("name") or kind))
+        dropped.append(label(kind))
     else:
-        raise BadRequest(f"Tools of type '{kind}' are not supported.", param=f"{where}.type")
+        raise BadRequest(f"Tools of type '{label(kind)}' are not supported.", param=f"{where}.type")
 
 
-def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
-    if choice is None:
+def _tool_choice(choice: Any, chat: dict[str, Any], dropped: list[str]) -> None:
+    """``tool_choice`` onto the chat route, or a 400 when it cannot be honoured as asked.
+
+    ``auto`` and ``none`` always can. ``required``, a named function and ``allowed_tools`` in
+    ``required`` mode need a function the model can call: with only built-in tools (which this
+    server leaves out, `HOSTED_TOOLS`) the answer would be text, against the request (case
+    C31). A choice of a built-in tool (``{"type": "web_search"}``, ``mcp``, ``custom``) is
+    refused for the same reason. ``allowed_tools`` keeps the listed functions only.
+    """
+    if choice is None or choice in ("auto", "none"):
+        if choice is not None and "tools" in chat:
+            chat["tool_choice"] = choice
         return
-    if choice in ("auto", "none", "required"):
-        chat["tool_choice"] = choice
+    functions = chat.get("tools") or []
+    names = {tool["function"]["name"] for tool in functions}
+    unavailable = (
+        f" (this server cannot run the built-in tools {', '.join(sorted(set(dropped)))})"
+        if dropped
+        else ""
+    )
+    if choice == "required":
+        if not functions:
+            raise BadRequest(
+                f"tool_choice 'required' needs at least one function tool in 'tools'{unavailable}.",
+                param="tool_choice",
+            )
+        chat["tool_choice"] = "required"
         return
     expect(choice, dict, "tool_choice")
-    if choice.get("type") == "function":
+    kind = choice.get("type")
+    if kind == "function":
         name = expect(choice.get("name"), str, "tool_choice.name")
+        if name not in names:
+            raise BadRequest(
+                f"tool_choice names the function '{label(name)}', which is not in 'tools'.",
+                param="tool_choice.name",
+            )
         chat["tool_choice"] = {"type": "function", "function": {"name": name}}
+    elif kind == "allowed_tools":
+        mode = one_of(choice.get("mode"), ("auto", "required"), "tool_choice.mode")
+        allowed = expect(choice.get("tools"), list, "tool_choice.tools")
+        wanted = set()
+        for index, tool in enumerate(allowed):
+            expect(tool, dict, f"tool_choice.tools[{index}]")
+            if tool.get("type") == "function":
+                wanted.add(expect(tool.get("name"), str, f"tool_choice.tools[{index}].name"))
+        kept = [tool for tool in functions if tool["function"]["name"] in wanted]
+        if mode == "required" and not kept:
+            raise BadRequest(
+                "tool_choice 'allowed_tools' in 'required' mode needs at least one function "
+                f"tool of 'tools' in its list{unavailable}.",
+                param="tool_choice.tools",
+            )
+        if kept:
+            chat["tools"] = kept
+            chat["tool_choice"] = mode
+        else:
+            chat.pop("tools", None)
+            chat.pop("parallel_tool_calls", None)
     else:
-        chat["tool_choice"] = "auto"  # hosted-tool and allowed_tools choices: let the model pick
+        raise BadRequest(
+            f"tool_choice of type '{label(kind)}' cannot be honoured: this server runs "
+            "function tools only.",
+            param="tool_choice.type",
+        )
+
+
+def _echoed_fields(body: dict[str, Any]) -> None:
+    """The fields a response echoes or that change nothing here, checked against the API
+    reference before the engine is asked (an answer must never fail to echo them): ``metadata``
+    (up to 16 string pairs), ``store``, ``truncation``, ``include``, ``text.verbosity``,
+    ``top_logprobs`` (0 only: no log probabilities here), ``max_tool_calls``, and the plain
+    strings ``user``, ``safety_identifier``, ``prompt_cache_key``, ``service_tier``."""
+    metadata = body.get("metadata")
+    if metadata is not None:
+        expect(metadata, dict, "metadata")
+        if len(metadata) > METADATA_MAX_PAIRS:
+            raise BadRequest(
+                f"metadata: at most {METADATA_MAX_PAIRS} key-value pairs", param="metadata"
+            )
+        for key, value in metadata.items():
+            if len(key) > METADATA_KEY_MAX:
+                raise BadRequest(
+                    f"metadata: keys are at most {METADATA_KEY_MAX} characters", param="metadata"
+                )
+            if not isinstance(value, str) or len(value) > METADATA_VALUE_MAX:
+                raise BadRequest(
+                    f"metadata: values are strings of at most {METADATA_VALUE_MAX} characters",
+                    param="metadata",
+                )
+    if body.get("store") is not None:
+        expect(body["store"], bool, "store")
+    if body.get("truncation") is not None:
+        one_of(body["truncation"], TRUNCATIONS, "truncation")
+    include = body.get("include")
+    if include is not None:
+        for index, item in enumerate(expect(include, list, "include")):
+            expect(item, str, f"include[{index}]")
+            if item not in INCLUDES:
+                raise BadRequest(
+                    f"include[{index}]: '{quotable(item)}' is not available on this server.",
+                    param="include",
+                )
+    text = body.get("text")
+    if isinstance(text, dict) and text.get("verbosity") is not None:
+        one_of(text["verbosity"], VERBOSITIES, "text.verbosity")
+    top_logprobs = body.get("top_logprobs")
+    if top_logprobs is not None:
+        expect(top_logprobs, int, "top_logprobs")
+        if top_logprobs != 0:
+            raise BadRequest(
+                "top_logprobs: log probabilities are not available on /v1/responses here.",
+                param="top_logprobs",
+            )
+    if body.get("max_tool_calls") is not None:
+        positive_int(body, "max_tool_calls")
+    for name in ("user", "safety_identifier", "prompt_cache_key", "service_tier"):
+        if body.get(name) is not None:
+            expect(body[name], str, name)
 
 
 def _text_format(text: Any, chat: dict[str, Any]) -> None:
@@ -291,11 +442,16 @@ def _text_format(text: Any, chat: dict[str, Any]) -> None:
     kind = fmt.get("type")
     if kind == "json_schema":
         schema = expect(fmt.get("schema"), dict, "text.format.schema")
-        spec: dict[str, Any] = {"name": fmt.get("name") or "output", "schema": schema}
+        name = fmt.get("name")
+        if name is not None:
+            expect(name, str, "text.format.name")
+        spec: dict[str, Any] = {"name": name or "output", "schema": schema}
         if fmt.get("strict") is not None:
-            spec["strict"] = fmt["strict"]
+            spec["strict"] = expect(fmt["strict"], bool, "text.format.strict")
         chat["response_format"] = {"type": "json_schema", "json_schema": spec}
     elif kind == "json_object":
         chat["response_format"] = {"type": "json_object"}
     elif kind != "text":
-        raise BadRequest(f"Invalid value for 'text.format.type': {kind!r}.", param="text.format")
+        raise BadRequest(
+            f"Invalid value for 'text.format.type': '{quotable(kind)}'.", param="text.format"
+        )

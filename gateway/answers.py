@@ -1,0 +1,299 @@
+"""One non-streamed engine answer rewritten into the client's: in the event loop when small, in a
+worker process when large, so ``/health``, ``/ready`` and every stream keep moving meanwhile.
+
+Decoding and encoding JSON are C code that holds the interpreter lock from start to end: in a
+thread they stall the event loop as much as inline (measured: 1.2 s of silence on ``/health``
+for a 30 MB answer on a busy 2-core machine). An answer over `OFFLOAD_BYTES` therefore goes to
+one worker process (``python -m gateway.answers``, started at the first such answer, one answer
+at a time) over its stdin, in slices written as the pipe takes them; the worker decodes it,
+applies the dialect's `gateway.dialects.Dialect.json_answer`, encodes the client's body and
+sends it back on its stdout, which the caller relays to the client slice by slice
+(`Offloaded.chunks`). The gateway process only moves slices of bytes, never the answer whole in
+one step. A stored Responses answer comes back as the store's compact JSON
+(`gateway.translate.responses_store`), stored by the caller. The worker's memory is its own:
+about ten times the largest answer it rewrote while it works, bounded by
+``engine.max_answer_bytes``.
+
+Frames on both pipes: an 8-byte big-endian length, then that many bytes. Gateway to worker:
+a pickle of (dialect, settings, plan), then the answer. Worker to gateway: a pickle of the
+`Rewritten` without its body (or of the `NotAnObject` error), then the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copyreg
+import dataclasses
+import json
+import pickle
+import struct
+import sys
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from gateway.config import Settings
+from gateway.rewrite import RequestPlan
+
+OFFLOAD_BYTES = 1 << 20
+"""Answers larger than this (bytes) are rewritten in the worker process."""
+
+
+def _mapping_proxy(items: dict[Any, Any]) -> MappingProxyType[Any, Any]:
+    return MappingProxyType(items)
+
+
+# The settings' read-only tables travel to the worker as dicts made read-only again there.
+copyreg.pickle(MappingProxyType, lambda proxy: (_mapping_proxy, (dict(proxy),)))
+
+
+class NotAnObject(ValueError):
+    """The engine's answer is not a JSON object."""
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """The client's answer and what the gateway needs from the engine's.
+
+    Attributes:
+        body: the client's JSON body (UTF-8).
+        prompt_tokens, completion_tokens, reasoning_tokens: the engine's ``usage`` (None when
+            absent or not a count).
+        stored: (tenant, response id, response JSON, input items JSON) of a Responses answer
+            to store, when rewritten in the worker; None otherwise.
+    """
+
+    body: bytes
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reasoning_tokens: int | None
+    stored: tuple[str, str, bytes, bytes] | None = None
+
+
+JsonAnswer = Callable[[dict[str, Any], Settings, RequestPlan], dict[str, Any]]
+
+
+def rewrite(
+    raw: bytes, json_answer: JsonAnswer, settings: Settings, plan: RequestPlan
+) -> Rewritten:
+    """Decode ``raw``, read its usage, rewrite it with ``json_answer`` and encode the result.
+
+    Raises:
+        NotAnObject: ``raw`` is not JSON or not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise NotAnObject(str(exc)) from exc
+    if not isinstance(body, dict):
+        raise NotAnObject(type(body).__name__)
+    prompt = completion = reasoning = None
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        prompt = _count(usage.get("prompt_tokens"))
+        completion = _count(usage.get("completion_tokens"))
+        details = usage.get("completion_tokens_details")
+        if isinstance(details, dict):
+            reasoning = _count(details.get("reasoning_tokens"))
+    answer = json_answer(body, settings, plan)
+    encoded = json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
+    return Rewritten(encoded, prompt, completion, reasoning)
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+class _Captured:
+    """The worker's stand-in for the response store: keeps what the dialect would store."""
+
+    def __init__(self) -> None:
+        self.entry: tuple[str, str, bytes, bytes] | None = None
+
+    def put(self, tenant: str, response: dict[str, Any], input_items: list[Any]) -> bool:
+        from gateway.translate.responses_store import compact
+
+        self.entry = (tenant, str(response["id"]), compact(response), compact(input_items))
+        return True
+
+
+def _in_worker(dialect: str, raw: bytes, settings: Settings, plan: RequestPlan) -> Rewritten:
+    """`rewrite` in the worker process, the dialect found by its name."""
+    captured = _Captured()
+    if dialect == "responses":
+        from gateway.responses_api import responses_dialect
+
+        json_answer = responses_dialect(captured).json_answer  # type: ignore[arg-type]
+    elif dialect == "messages":
+        from gateway.messages_api import ANTHROPIC
+
+        json_answer = ANTHROPIC.json_answer
+    else:
+        from gateway.dialects import CHAT, COMPLETIONS
+
+        json_answer = {"chat": CHAT, "completions": COMPLETIONS}[dialect].json_answer
+    result = rewrite(raw, json_answer, settings, plan)
+    return dataclasses.replace(result, stored=captured.entry)
+
+
+OFFLOADED_DIALECTS = ("chat", "completions", "messages", "responses")
+"""Dialects whose answers the worker can rewrite (it rebuilds them by name)."""
+SLICE_BYTES = 1 << 20
+"""Bytes moved per step between the pipes, the answer buffer and the client."""
+_LENGTH = struct.Struct(">Q")
+
+
+class WorkerFailed(Exception):
+    """The worker process died or broke the protocol while rewriting an answer."""
+
+
+@dataclass
+class Offloaded:
+    """An answer rewritten in the worker: its facts now, its body still to read off the pipe.
+
+    Attributes:
+        result: the `Rewritten` facts (its ``body`` empty).
+        length: bytes of the client's body.
+    """
+
+    result: Rewritten
+    length: int
+    _worker: AnswerWorker
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The body in slices of at most `SLICE_BYTES`; the worker is free again at the end.
+
+        Raises:
+            WorkerFailed: the worker died meanwhile.
+        """
+        left = self.length
+        try:
+            while left > 0:
+                piece = await self._worker.read(min(left, SLICE_BYTES))
+                left -= len(piece)
+                yield piece
+        finally:
+            self._worker.done(clean=left == 0)
+
+
+class AnswerWorker:
+    """The worker process for large answers: started on first use, one answer at a time,
+    started again after it died."""
+
+    def __init__(self) -> None:
+        self._proc: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+
+    async def rewrite(
+        self, dialect: str, parts: list[bytes], settings: Settings, plan: RequestPlan
+    ) -> Offloaded:
+        """Send the answer in ``parts`` for ``dialect`` (one of `OFFLOADED_DIALECTS`) to the worker; its answer.
+
+        The worker stays taken until the returned `Offloaded.chunks` is read to its end (or
+        closed).
+
+        Raises:
+            NotAnObject: ``raw`` is not a JSON object.
+            WorkerFailed: the worker died.
+        """
+        light = dataclasses.replace(plan, body=b"")  # the engine request is not needed there
+        await self._lock.acquire()
+        handed = False
+        try:
+            proc = await self._started()
+            assert proc.stdin is not None
+            job = pickle.dumps((dialect, settings, light))
+            size = sum(map(len, parts))
+            proc.stdin.write(_LENGTH.pack(len(job)) + job + _LENGTH.pack(size))
+            for part in parts:
+                proc.stdin.write(part)
+                await proc.stdin.drain()
+            await proc.stdin.drain()
+            facts = pickle.loads(await self.read(_LENGTH.unpack(await self.read(8))[0]))
+            length = _LENGTH.unpack(await self.read(8))[0]
+            if isinstance(facts, NotAnObject):
+                self.done(clean=length == 0)
+                handed = True
+                raise facts
+            handed = True
+            return Offloaded(facts, length, self)
+        except (OSError, asyncio.IncompleteReadError, pickle.UnpicklingError, struct.error) as exc:
+            await self._kill()
+            raise WorkerFailed(type(exc).__name__) from exc
+        finally:
+            if not handed and self._lock.locked():
+                await self._kill()
+                self._lock.release()
+
+    async def read(self, size: int) -> bytes:
+        """Exactly ``size`` bytes from the worker's stdout."""
+        assert self._proc is not None and self._proc.stdout is not None
+        try:
+            return await self._proc.stdout.readexactly(size)
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise WorkerFailed(type(exc).__name__) from exc
+
+    def done(self, clean: bool) -> None:
+        """The answer was read (``clean``) or abandoned half way (the worker is stopped)."""
+        if not clean and self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            self._proc = None
+        if self._lock.locked():
+            self._lock.release()
+
+    async def _started(self) -> asyncio.subprocess.Process:
+        if self._proc is None or self._proc.returncode is not None:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "gateway.answers",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                limit=SLICE_BYTES * 2,
+            )
+        return self._proc
+
+    async def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(Exception):
+                await proc.wait()
+
+    async def close(self) -> None:
+        """Stop the worker process (the gateway shuts down)."""
+        await self._kill()
+
+
+def _serve(stdin: Any, stdout: Any) -> None:
+    """The worker's loop: one job after another until stdin closes."""
+    while True:
+        head = stdin.read(8)
+        if len(head) < 8:
+            return
+        dialect, settings, plan = pickle.loads(stdin.read(_LENGTH.unpack(head)[0]))
+        raw = stdin.read(_LENGTH.unpack(stdin.read(8))[0])
+        try:
+            result = _in_worker(dialect, raw, settings, plan)
+        except NotAnObject as exc:
+            facts = pickle.dumps(exc)
+            stdout.write(_LENGTH.pack(len(facts)) + facts + _LENGTH.pack(0))
+        else:
+            del raw
+            facts = pickle.dumps(dataclasses.replace(result, body=b""))
+            stdout.write(_LENGTH.pack(len(facts)) + facts + _LENGTH.pack(len(result.body)))
+            stdout.write(result.body)
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    # Through the module's own name, so what is pickled names gateway.answers, not __main__.
+    from gateway.answers import _serve as serve
+
+    serve(sys.stdin.buffer, sys.stdout.buffer)

@@ -1,0 +1,180 @@
+"""The web server's own errors in the gateway's envelope: nothing aiohttp writes reaches a client.
+
+aiohttp answers some requests before any middleware runs, with ``text/plain`` pages of its own:
+an unparseable request (bad request line, header, chunked encoding: `GatewayRequestHandler.
+handle_error`), an ``Expect`` header other than ``100-continue`` on a route without an
+``expect_handler`` (a 417 quoting the header, or a 500 when the header holds a byte UTF-8
+cannot carry), and anything raised while routing. Here every such answer becomes a JSON error
+in the route's API shape (OpenAI's, or Anthropic's under ``/v1/messages``; OpenAI's when the
+request could not be parsed far enough to have a route), with ``x-request-id``, logged once as
+an access line, and never quoting the request. Input that no text codec accepts (a lone
+surrogate in a URL, a header or a quoted value: `UnicodeError`) is a 400, never a 500 (C28).
+
+`GatewayRunner` is the ``web.AppRunner`` that installs both: its connections use
+`GatewayRequestHandler`, and the app's handler is wrapped by `guard` (the outermost layer,
+around the router and the middlewares).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+
+import structlog
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from gateway.config import UNKNOWN_TENANT
+from gateway.dialects import CHAT, Dialect
+from gateway.errors import BadRequest, GatewayError, HttpError, MethodNotAllowed, NotFound
+from gateway.state import CONTEXT, DIALECTS, METRICS
+
+log = structlog.get_logger("gateway.access")
+events = structlog.get_logger("gateway")
+
+RawHandler = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
+
+
+def error_for(exc: BaseException | None, status: int) -> GatewayError:
+    """The client-safe error for what aiohttp raised or would answer with ``status``.
+
+    `UnicodeError` (text no codec accepts) and any 4xx are client errors (400 for the parser's
+    own); a ``web.HTTPException`` keeps its status with a fixed message (its text may quote the
+    request); anything else is a 500 with a fixed message.
+    """
+    if isinstance(exc, UnicodeError):
+        return BadRequest("The request holds text that is not valid UTF-8.")
+    if isinstance(exc, web.HTTPException):
+        status = exc.status
+    if status == 400:
+        return BadRequest("Malformed HTTP request.")
+    if status == 404:
+        return NotFound("Unknown route.")
+    if status == 405:
+        return MethodNotAllowed("Method not allowed for this route.")
+    if 400 <= status < 500:
+        return HttpError(status, HTTPStatus(status).phrase)
+    error = GatewayError("Internal server error.")
+    if 500 <= status < 600:
+        error.status = status
+    return error
+
+
+def _dialect(app: web.Application | None, request: BaseRequest) -> Dialect:
+    """The API of the request's path (the longest model-route prefix), else OpenAI's."""
+    if app is None or DIALECTS not in app:
+        return CHAT
+    try:
+        path = request.path
+    except Exception:  # a path yarl could not decode: no route to speak for
+        return CHAT
+    dialects = app[DIALECTS]
+    prefixes = [t for t in dialects if path == t or path.startswith(t + "/")]
+    return dialects[max(prefixes, key=len)] if prefixes else CHAT
+
+
+def _request_id(request: BaseRequest) -> str:
+    """The id the middleware gave this request, else a fresh one (the client's is not trusted
+    here: the request may not have been read far enough to check it)."""
+    context = request.get(CONTEXT)
+    return context.request_id if context is not None else uuid.uuid4().hex
+
+
+def error_response(
+    app: web.Application | None,
+    request: BaseRequest,
+    error: GatewayError,
+    reason: str,
+) -> web.Response:
+    """``error`` in the request's API shape, with ``x-request-id``; logged as one access line
+    and counted (tenant ``unknown``, route ``other``: no middleware ran for it)."""
+    dialect = _dialect(app, request)
+    error = dialect.adapt_error(error)
+    request_id = _request_id(request)
+    headers = dict(error.headers)
+    headers["x-request-id"] = request_id
+    response = web.Response(
+        status=error.status,
+        body=dialect.error_body(error),
+        content_type="application/json",
+        headers=headers,
+    )
+    response.force_close()
+    try:
+        method = request.method
+    except Exception:
+        method = "?"
+    fields = {"method": method, "route": "other", "status": error.status, "reason": reason}
+    if error.status >= 500:
+        log.warning("request", request_id=request_id, **fields)
+    else:
+        log.info("request", request_id=request_id, **fields)
+    if app is not None and METRICS in app:
+        app[METRICS].requests.labels(UNKNOWN_TENANT, "other", str(error.status)).inc()
+    return response
+
+
+def guard(app: web.Application, handler: RawHandler) -> RawHandler:
+    """The app's handler with everything that escapes it answered by `error_response`.
+
+    Routing, the ``Expect`` handlers and the middlewares run inside; the middlewares answer
+    their own errors, so what arrives here was raised before them or by them. A 5xx here is a
+    bug (logged with its traceback as ``unhandled_error``), except that text no codec accepts is
+    the client's (400).
+    """
+
+    async def guarded(request: BaseRequest) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            return error_response(app, request, error_for(exc, exc.status), "http")
+        except Exception as exc:
+            if not isinstance(exc, UnicodeError):
+                events.exception("unhandled_error")
+            return error_response(app, request, error_for(exc, 500), "bad_encoding")
+
+    return guarded
+
+
+class GatewayRequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering unparseable requests in the gateway's envelope.
+
+    aiohttp's own answer to a malformed request line or header is a text page that quotes the
+    offending header, which may hold a credential; this one names no input, and logs one line
+    without a traceback (clients on the public port can send garbage at will).
+    """
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, None)  # raises ConnectionError
+        events.info("http_error", status=status, error=type(exc).__name__ if exc else None)
+        app = getattr(self._manager, "gateway_app", None)
+        return error_response(app, request, error_for(exc, status), "malformed_http")
+
+
+class _Server(web.Server):
+    gateway_app: web.Application | None = None
+
+    def __call__(self) -> RequestHandler:
+        return GatewayRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class GatewayRunner(web.AppRunner):
+    """`web.AppRunner` whose connections use `GatewayRequestHandler` and whose app handler is
+    wrapped by `guard`."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server
+        assert isinstance(server, _Server)
+        server.gateway_app = self.app
+        server.request_handler = guard(self.app, server.request_handler)
+        return server

@@ -1,0 +1,131 @@
+"""Credentials in client text, in any encoding a client or an attacker may use.
+
+Two questions, asked before anything a client sent is echoed or forwarded:
+
+- `looks_like_credential`: could this short client value be, or carry, a credential? Its raw
+  form, its percent-decoded form (RFC 3986 section 2.1) and its base64 / base64url decoding
+  (RFC 4648 sections 4 and 5) are each tried for the prefixes credentials have: ``sk-`` API
+  keys, ``eyJ`` JWTs (base64url of ``{"``), and the ``Bearer``/``Basic`` forms of an
+  ``Authorization`` value (RFC 6750 section 2.1, RFC 7617).
+- `OwnCredential.found_in`: does a request body carry the very credential the request was
+  authenticated with? The body is searched as sent and as JSON decodes it (a ``\\u0073k-...``
+  escape is the key), percent-decoded, and for the key's base64 and base64url encodings at each
+  of the three alignments a base64 stream can put it at.
+
+Nothing here logs or returns the secret; the answers are booleans.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+# What starts a credential once decoded: API keys, JWTs, Authorization values.
+_PREFIXES = ("sk-", "eyj", "bearer", "basic ")
+_B64_RE = re.compile(r"[A-Za-z0-9+/_-]{8,}={0,2}")
+# The shortest credential the gateway accepts (`gateway.credentials.MIN_PLAINTEXT_SECRET`).
+MIN_SECRET_CHARS = 16
+
+
+def _decodings(text: str) -> Iterator[str]:
+    """``text`` as sent, percent-decoded, and base64/base64url-decoded (when it is base64)."""
+    yield text
+    if "%" in text:
+        yield unquote(text, errors="replace")
+    stripped = text.strip()
+    if _B64_RE.fullmatch(stripped):
+        padded = stripped.rstrip("=") + "=" * (-len(stripped.rstrip("=")) % 4)
+        for decode in (base64.b64decode, base64.urlsafe_b64decode):
+            try:
+                yield decode(padded.encode("ascii")).decode("utf-8", "replace")
+            except (binascii.Error, ValueError):
+                continue
+
+
+def looks_like_credential(text: str) -> bool:
+    """True when ``text`` (or its percent or base64 decoding) starts like a credential or an
+    ``Authorization`` value (``sk-``, ``eyJ``, ``Bearer``, ``Basic``), case-insensitively."""
+    return any(decoded.strip().lower().startswith(_PREFIXES) for decoded in _decodings(text))
+
+
+def _base64_cores(secret: bytes) -> list[bytes]:
+    """The substrings that every base64 (and base64url) encoding of a text containing
+    ``secret`` contains, one per alignment (the secret starting at offset 0, 1 or 2 mod 3).
+
+    At offset ``k`` the first ``3 - k`` bytes (for ``k`` > 0) share output characters with
+    what precedes; from the next multiple of 3 on, the encoding depends on the secret alone.
+    Its last partial group is dropped for the same reason.
+    """
+    cores: list[bytes] = []
+    for offset in range(3):
+        skip = (3 - offset) % 3
+        body = secret[skip:]
+        body = body[: len(body) - len(body) % 3]
+        if len(body) < 9:
+            continue
+        encoded = base64.b64encode(body)
+        cores.append(encoded)
+        url = base64.urlsafe_b64encode(body)
+        if url != encoded:
+            cores.append(url)
+    return cores
+
+
+@dataclass(frozen=True)
+class OwnCredential:
+    """The secret a request authenticated with, ready to be searched for in its body.
+
+    Build with `OwnCredential.of`; None there means nothing worth searching (no credential, or
+    one shorter than `MIN_SECRET_CHARS`).
+    """
+
+    text: str
+    raw: bytes
+    cores: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, authorization: str | None) -> OwnCredential | None:
+        """From an ``Authorization`` value (``Bearer <secret>``)."""
+        if not authorization:
+            return None
+        secret = authorization.strip().partition(" ")[2].strip()
+        if len(secret) < MIN_SECRET_CHARS:
+            return None
+        raw = secret.encode("utf-8", "surrogatepass")
+        return cls(secret, raw, tuple(_base64_cores(raw)))
+
+    def found_in(self, raw: bytes, body: Any) -> bool:
+        """True when ``raw`` (the body's bytes) or any string of ``body`` (the parsed JSON, keys
+        included) holds the secret as it is, JSON-unescaped, percent-decoded or base64-encoded.
+        Iterative, so any nesting the parser accepted is walked without recursion."""
+        if self.raw in raw or any(core in raw for core in self.cores):
+            return True
+        stack: list[Any] = [body]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                if self._in_text(item):
+                    return True
+            elif isinstance(item, list):
+                stack.extend(item)
+            elif isinstance(item, dict):
+                for key, value in item.items():
+                    if self._in_text(key):
+                        return True
+                    stack.append(value)
+        return False
+
+    def _in_text(self, text: str) -> bool:
+        if self.text in text:
+            return True
+        if "%" in text and self.text in unquote(text, errors="replace"):
+            return True
+        if self.cores and len(text) >= 12:
+            data = text.encode("utf-8", "surrogatepass")
+            return any(core in data for core in self.cores)
+        return False

@@ -1,0 +1,446 @@
+"""Cases C28, C29, C31 and C32: what errors may be.
+
+No 5xx from client input (a value of the wrong type, text JSON cannot carry, the web server's
+own low-level errors); errors quote at most a short prefix of a client value and never a
+credential in any encoding; errors state true numbers, and a request the gateway cannot honour
+as asked is refused; ``check --keys-file`` checks the keys file. The generated-body property of
+C28 is `tests/test_fuzz_dialects.py`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlparse
+
+import httpx
+import pytest
+
+from gateway.errors import BadRequest, quotable, scrub_credentials
+from gateway.translate.anthropic_errors import anthropic_error
+from gateway.translate.anthropic_request import translate_messages
+from gateway.translate.common import Overflow
+from gateway.translate.responses_request import translate_responses
+from tests.conftest import ALIAS, KEY_A, REPO, Gateway, write_keys
+from tests.fuzz_bodies import ROUTES, fuzz_stack
+
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+ANTHROPIC = {"x-api-key": KEY_A, "anthropic-version": "2023-06-01"}
+CHAT = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+RESPONSES = {"model": ALIAS, "input": "hi", "max_output_tokens": 2}
+MESSAGES = {"model": ALIAS, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+CUSTOM = {"name": "f", "input_schema": {"type": "object"}}
+HOSTED = {"type": "web_search_20250305", "name": "web_search"}
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[Gateway]:
+    """A simulator that parses tool calls and a gateway with stored responses, for the module."""
+    with fuzz_stack() as gateway:
+        yield gateway
+
+
+def send(gw: Gateway, dialect: str, body: dict[str, Any] | bytes, **headers: str) -> httpx.Response:
+    """POST ``body`` (a dict as JSON with ASCII escapes, or bytes) to the dialect's route."""
+    auth = ANTHROPIC if dialect in ("messages", "count_tokens") else AUTH
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(
+        gw.url(ROUTES[dialect]),
+        content=raw,
+        headers={**auth, "Content-Type": "application/json", **headers},
+        timeout=30,
+    )
+
+
+def engine_calls(gw: Gateway) -> int:
+    """Requests the simulator received on its model and tokenize routes."""
+    assert gw.sim is not None
+    return len([r for r in gw.sim.records() if r.get("path") not in ("/health", "/metrics")])
+
+
+def error_message(dialect: str, response: httpx.Response) -> str:
+    """The error message of an answer in the dialect's envelope."""
+    payload = response.json()
+    if dialect in ("messages", "count_tokens"):
+        assert payload["type"] == "error" and set(payload["error"]) == {"type", "message"}
+    else:
+        assert set(payload["error"]) == {"message", "type", "param", "code"}
+    message = payload["error"]["message"]
+    assert isinstance(message, str)
+    return message
+
+
+# ----------------------------------------------------------------------------------------- C28
+
+
+@pytest.mark.parametrize("value", ["2", ["2"], {"n": 2}, 2.5, True], ids=repr)
+@pytest.mark.parametrize("dialect", ["chat", "completions"])
+def test_c28_best_of_of_any_type_is_a_400(gw: Gateway, dialect: str, value: Any) -> None:
+    """best_of as a string, list, object, float or boolean is a 400 naming it on chat and completions alike, before the engine."""
+    body = dict(CHAT) if dialect == "chat" else {"model": ALIAS, "prompt": "hi", "max_tokens": 2}
+    body["best_of"] = value
+    before = engine_calls(gw)
+    r = send(gw, dialect, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "best_of"
+    assert engine_calls(gw) == before
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "hi", "max_completion_tokens": "x", "min_tokens": 5},
+        {"prompt": "hi", "n": "2", "best_of": 3},
+        {"prompt": "hi", "max_tokens": 4, "min_tokens": [1]},
+    ],
+    ids=["max_completion_tokens", "n", "min_tokens"],
+)
+def test_c28_cross_field_rules_never_compare_unchecked_values(
+    gw: Gateway, body: dict[str, Any]
+) -> None:
+    """A cross-field rule (min_tokens <= limit, best_of >= n) next to a value of the wrong type answers < 500."""
+    r = send(gw, "completions", {"model": ALIAS, **body})
+    assert r.status_code < 500, r.text
+
+
+UNSENDABLE = "a\udc80b"
+ECHOED = [
+    ("responses", {**RESPONSES, "metadata": {"k": UNSENDABLE}}, "metadata"),
+    ("responses", {**RESPONSES, "tools": [{"type": "web_search", "x": UNSENDABLE}]}, "tools"),
+    ("responses", {**RESPONSES, "reasoning": {"summary": UNSENDABLE}}, "reasoning"),
+    ("responses", {**RESPONSES, "text": {"format": {"type": "text"}, "v": UNSENDABLE}}, "text"),
+    ("responses", {**RESPONSES, "instructions": UNSENDABLE}, "instructions"),
+    ("messages", {**MESSAGES, "stop_sequences": [UNSENDABLE]}, "stop_sequences"),
+    ("messages", {**MESSAGES, "metadata": {"user_id": UNSENDABLE}}, "metadata"),
+    ("count_tokens", {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], UNSENDABLE: 1}, "body"),
+    ("chat", {**CHAT, "user": UNSENDABLE}, "user"),
+    ("completions", {"model": ALIAS, "prompt": "hi", "suffix": UNSENDABLE}, "suffix"),
+]  # fmt: skip
+
+
+ECHOED_CASES = [
+    pytest.param(dialect, body, param, stream, id=f"{param}-{'stream' if stream else 'json'}")
+    for dialect, body, param in ECHOED
+    for stream in (False, True)
+    if not (stream and dialect == "count_tokens")  # count_tokens has no stream
+]
+
+
+@pytest.mark.parametrize(("dialect", "body", "param", "stream"), ECHOED_CASES)
+def test_c28_text_json_cannot_carry_is_refused_before_the_engine(
+    gw: Gateway, dialect: str, body: dict[str, Any], param: str, stream: bool
+) -> None:
+    """A lone surrogate in any field, echoed or not, streamed or not, is a 400 naming the field; the engine is never asked and nothing is charged."""
+    if stream:
+        body = {**body, "stream": True}
+    before, tokens = engine_calls(gw), gw.metric("gateway_tokens_total")
+    r = send(gw, dialect, body)
+    assert r.status_code == 400, r.text[:300]
+    assert "unpaired UTF-16 surrogate" in error_message(dialect, r)
+    assert r.json()["error"].get("param", param) == param
+    assert r.headers["x-request-id"]
+    assert engine_calls(gw) == before
+    assert gw.metric("gateway_tokens_total") == tokens
+
+
+def raw_exchange(url: str, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes; (status, headers, body) of the answer (read until the server closes)."""
+    parsed = urlparse(url)
+    with socket.create_connection((parsed.hostname, parsed.port), timeout=10) as sock:
+        sock.sendall(raw)
+        chunks = []
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
+    return int(lines[0][9:12]), headers, body
+
+
+LOW_LEVEL = {
+    "expect_surrogate_unknown_route": b"GET /v1/messages/batches HTTP/1.1\r\nHost: g\r\nExpect: \xed\xb2\x80\r\n",
+    "expect_unknown_route": b"GET /nowhere HTTP/1.1\r\nHost: g\r\nExpect: sk-q38-leak\r\n",
+    "bad_chunk": b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    "bad_request_line": b"G\xed\xb2\x80T / HTTP/1.1\r\nHost: g\r\n",
+    "raw_surrogate_in_path": b"GET /v1/models/\xed\xb2\x80 HTTP/1.1\r\nHost: g\r\n",
+    "header_without_colon": b"GET /v1/models HTTP/1.1\r\nHost: g\r\nsk-q38-leak\r\n",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LOW_LEVEL))
+def test_c28_low_level_errors_answer_in_the_route_envelope(gw: Gateway, name: str) -> None:
+    """The web server's own errors (Expect with a lone surrogate, bad chunks, malformed request lines) are JSON in the route's shape with x-request-id, logged once, never quoting the request."""
+    request = LOW_LEVEL[name]
+    if not request.endswith(b"\r\n\r\n") and b"chunked" not in request:
+        request += f"Authorization: Bearer {KEY_A}\r\nConnection: close\r\n\r\n".encode()
+    status, headers, body = raw_exchange(gw.base_url, request)
+    assert 400 <= status < 500, (status, body[:200])
+    assert status == (417 if name == "expect_unknown_route" else 400)
+    assert headers["content-type"].startswith("application/json")
+    request_id = headers["x-request-id"]
+    payload = json.loads(body)
+    if b"/v1/messages" in request:
+        assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error"
+    else:
+        assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert b"sk-q38" not in body and b"\xed" not in body
+    lines = [e for e in gw.access_logs() if e.get("request_id") == request_id]
+    assert [e["status"] for e in lines] == [status]
+
+
+def test_c28_an_expectation_nobody_meets_is_ignored_on_every_route(gw: Gateway) -> None:
+    """An Expect header other than 100-continue (a lone surrogate in it included) is ignored on the API's GET routes as on its POST routes: the request is answered."""
+    request = (
+        b"GET /v1/models HTTP/1.1\r\nHost: g\r\nExpect: \xed\xb2\x80\r\n"
+        + f"Authorization: Bearer {KEY_A}\r\nConnection: close\r\n\r\n".encode()
+    )
+    status, headers, body = raw_exchange(gw.base_url, request)
+    assert status == 200 and json.loads(body)["data"][0]["id"] == ALIAS
+    assert headers["x-request-id"]
+
+
+# ----------------------------------------------------------------------------------------- C29
+
+LONG = "x" * 5000
+QUOTING = [
+    ("responses", {**RESPONSES, "input": [{"role": LONG, "content": "hi"}]}),
+    ("responses", {**RESPONSES, "input": [{"type": LONG, "content": "hi"}]}),
+    ("responses", {**RESPONSES, "input": [{"role": "user", "content": [{"type": LONG}]}]}),
+    ("responses", {**RESPONSES, "text": {"format": {"type": LONG}}}),
+    ("responses", {**RESPONSES, "tools": [{"type": LONG}]}),
+    ("responses", {**RESPONSES, "reasoning": {"effort": LONG}}),
+    ("messages", {**MESSAGES, "messages": [{"role": "user", "content": [{"type": LONG}]}]}),
+    ("messages", {**MESSAGES, "messages": [{"role": "assistant", "content": [{"type": LONG}]}]}),
+    ("messages", {**MESSAGES, "tools": [CUSTOM], "tool_choice": {"type": "tool", "name": LONG}}),
+    ("chat", {**CHAT, "model": LONG}),
+    ("chat", {**CHAT, LONG: UNSENDABLE}),
+]
+
+
+@pytest.mark.parametrize(("dialect", "body"), QUOTING)
+def test_c29_errors_quote_at_most_a_short_prefix(
+    gw: Gateway, dialect: str, body: dict[str, Any]
+) -> None:
+    """A 5,000-character value in an item's role or type, a block type, a tool name, a model or a key: the error names the field and quotes at most 15 characters of it."""
+    r = send(gw, dialect, body)
+    assert r.status_code in (400, 404), r.text[:300]
+    message = error_message(dialect, r)
+    assert "x" * 16 not in r.text and len(message) < 300, message[:400]
+
+
+def test_c29_usage_query_is_not_quoted_whole(gw: Gateway) -> None:
+    """A 5,000-character `since` on /v1/usage: a 400 naming `since` without quoting it."""
+    r = httpx.get(gw.url("/v1/usage"), params={"since": LONG}, headers=AUTH, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "since" and "x" * 16 not in r.text
+
+
+def _escaped(text: str) -> str:
+    return "".join(f"\\u{ord(c):04x}" for c in text)
+
+
+ENCODINGS = {
+    "json_escapes": lambda key: _escaped(key),
+    "first_char_escaped": lambda key: _escaped(key[0]) + key[1:],
+    "percent": lambda key: quote(key, safe=""),
+    "percent_every_char": lambda key: "".join(f"%{b:02X}" for b in key.encode()),
+    "base64": lambda key: base64.b64encode(key.encode()).decode(),
+    "base64_bearer": lambda key: base64.b64encode(f"Bearer {key}".encode()).decode(),
+    "base64url_offset": lambda key: base64.urlsafe_b64encode(f"xy{key}".encode()).decode(),
+}
+
+
+@pytest.mark.parametrize("dialect", ["chat", "responses", "messages", "count_tokens"])
+@pytest.mark.parametrize("encoding", list(ENCODINGS))
+def test_c29_own_credential_in_any_encoding_is_refused(
+    gw: Gateway, dialect: str, encoding: str
+) -> None:
+    """The request's own key in its body as JSON escapes, percent-encoded or base64 (of the key or a Bearer value) is a 400 that quotes none of it, and never reaches the engine."""
+    shown = ENCODINGS[encoding](KEY_A)
+    text = "my key: " + shown
+    if dialect == "responses":
+        body = {**RESPONSES, "metadata": {"k": "v"}, "input": text}
+    elif dialect in ("messages", "count_tokens"):
+        body = {**MESSAGES, "messages": [{"role": "user", "content": text}]}
+        if dialect == "count_tokens":
+            body.pop("max_tokens")
+    else:
+        body = {**CHAT, "messages": [{"role": "user", "content": text}]}
+    raw = json.dumps(body).replace(json.dumps(text)[1:-1], text).encode()
+    before = engine_calls(gw)
+    r = send(gw, dialect, raw)
+    assert r.status_code == 400, (encoding, r.text[:300])
+    assert "own API key" in error_message(dialect, r)
+    for fragment in (KEY_A, KEY_A[7:27], shown[:24]):
+        assert fragment not in r.text
+    assert engine_calls(gw) == before
+
+
+@pytest.mark.parametrize(
+    "supplied",
+    [
+        base64.urlsafe_b64encode(f"Bearer {KEY_A}".encode()).decode().rstrip("="),
+        base64.b64encode(KEY_A.encode()).decode().rstrip("="),
+        "ZXlKaGJHY2lPaUpJVXpJMU5pSjk",  # base64 of a JWT header
+    ],
+    ids=["base64url_bearer", "base64_key", "base64_jwt"],
+)
+def test_c29_request_ids_shaped_like_encoded_credentials_are_replaced(
+    gw: Gateway, supplied: str
+) -> None:
+    """An X-Request-Id that decodes to a key, a Bearer value or a JWT is not echoed: the answer carries a generated id."""
+    r = httpx.get(gw.url("/v1/models"), headers={**AUTH, "X-Request-Id": supplied}, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] != supplied
+
+
+@pytest.mark.fast
+def test_c29_quoting_rules() -> None:
+    """`quotable` keeps short plain values only; engine messages keep a short prefix of what they quote and no credential."""
+    assert quotable("user") == "user"
+    for value in ("x" * 16, "c2stcTM4LXRl", "%73k-q38", "QmVhcmVyIHM=", "eyJhbGciOi", "a\udc80"):
+        assert quotable(value) == "<redacted>"
+    engine = f"Invalid role: '{'a b ' * 2000}' and '{KEY_A}' and `Bearer {KEY_A}`"
+    scrubbed = scrub_credentials(engine)
+    assert len(scrubbed) < 200 and KEY_A[7:27] not in scrubbed and "a b a b" in scrubbed
+
+
+# ----------------------------------------------------------------------------------------- C31
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_c31_prompt_too_long_states_the_counted_prompt(
+    sim_factory: Any, gateway_factory: Any, stream: bool
+) -> None:
+    """Over the context on /v1/messages, the error states the prompt's real count (the engine's own, as count_tokens gives it) against the real context, never `N tokens > N maximum`."""
+    sim = sim_factory("--max-model-len", "2048")
+    gateway = gateway_factory(sim, {"engine": {"max_model_len": 2048}})
+    messages = [{"role": "user", "content": "word " * 3000}]
+    counted = httpx.post(
+        gateway.url("/v1/messages/count_tokens"),
+        json={"model": ALIAS, "messages": messages},
+        headers=ANTHROPIC,
+        timeout=30,
+    )
+    prompt = counted.json()["input_tokens"]
+    assert prompt > 2048
+    body = {"model": ALIAS, "max_tokens": 32000, "messages": messages, "stream": stream}
+    r = httpx.post(gateway.url("/v1/messages"), json=body, headers=ANTHROPIC, timeout=30)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["message"] == f"prompt is too long: {prompt} tokens > 2048 maximum"
+
+
+@pytest.mark.fast
+def test_c31_overflow_wordings_are_true() -> None:
+    """Each overflow states an inequality that holds: the prompt alone over the context, the prompt plus the output budget over it, or a lower bound said as one."""
+    cases = {
+        Overflow(3000, False, 1, 2048): "prompt is too long: 3000 tokens > 2048 maximum",
+        Overflow(2048, True, 1, 2048): "prompt is too long: at least 2048 tokens > 2047 maximum",
+        Overflow(2000, False, 500, 2048): (
+            "input length and `max_tokens` exceed context limit: 2000 + 500 > 2048, "
+            "decrease input length or `max_tokens` and try again"
+        ),
+    }
+    for overflow, wording in cases.items():
+        assert overflow.anthropic_message() == wording
+    engine = BadRequest(
+        "This model's maximum context length is 2048 tokens. However, you requested 1 output "
+        "tokens and your prompt contains at least 2048 input tokens, for a total of at least "
+        "2049 tokens."
+    )
+    message = anthropic_error(engine)[1]["error"]["message"]
+    assert message == "prompt is too long: at least 2048 tokens > 2047 maximum"
+
+
+UNHONOURABLE = [
+    ("responses", {**RESPONSES, "tools": [{"type": "web_search"}], "tool_choice": "required"}, "web_search"),
+    ("responses", {**RESPONSES, "tool_choice": "required"}, "tool_choice"),
+    ("responses", {**RESPONSES, "tools": [FUNCTION], "tool_choice": {"type": "web_search_preview"}}, "web_search_preview"),
+    ("responses", {**RESPONSES, "tools": [FUNCTION], "tool_choice": {"type": "function", "name": "g"}}, "not in 'tools'"),
+    ("responses", {**RESPONSES, "tools": [FUNCTION, {"type": "web_search"}], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "web_search"}]}}, "web_search"),
+    ("responses", {**RESPONSES, "include": ["message.output_text.logprobs"]}, "include"),
+    ("responses", {**RESPONSES, "top_logprobs": 3}, "top_logprobs"),
+    ("responses", {**RESPONSES, "tools": [{"type": "function", "name": "f", "parameters": "{}"}]}, "parameters"),
+    ("messages", {**MESSAGES, "tools": [HOSTED], "tool_choice": {"type": "any"}}, "web_search"),
+    ("messages", {**MESSAGES, "tools": [CUSTOM, HOSTED], "tool_choice": {"type": "tool", "name": "web_search"}}, "web_search"),
+    ("messages", {**MESSAGES, "tools": [{"name": "f"}]}, "input_schema"),
+    ("messages", {**MESSAGES, "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dialect", "body", "named"), UNHONOURABLE, ids=[u[2] for u in UNHONOURABLE]
+)
+def test_c31_requests_that_cannot_be_honoured_are_refused(
+    gw: Gateway, dialect: str, body: dict[str, Any], named: str
+) -> None:
+    """tool_choice that needs a tool the model cannot call here, log probabilities, MCP servers, a tool without its schema: a 400 naming why, before the engine, never an answer that ignores them."""
+    before = engine_calls(gw)
+    r = send(gw, dialect, body)
+    assert r.status_code == 400, r.text[:300]
+    assert named in error_message(dialect, r) or named in r.text
+    assert engine_calls(gw) == before
+
+
+@pytest.mark.fast
+def test_c31_what_can_be_honoured_still_is() -> None:
+    """allowed_tools keeps only the listed functions; auto with only hosted tools answers without tools; hosted tools are named as left out."""
+    body = {
+        "input": "hi",
+        "tools": [FUNCTION, {**FUNCTION, "name": "g"}, {"type": "web_search"}],
+        "tool_choice": {
+            "type": "allowed_tools",
+            "mode": "required",
+            "tools": [{"type": "function", "name": "g"}],
+        },
+    }
+    out = translate_responses(body, max_model_len=8192)
+    assert [t["function"]["name"] for t in out.chat["tools"]] == ["g"]
+    assert out.chat["tool_choice"] == "required" and out.dropped_tools == ["web_search"]
+    auto = translate_responses(
+        {"input": "hi", "tools": [{"type": "web_search"}]}, max_model_len=8192
+    )
+    assert "tools" not in auto.chat and "tool_choice" not in auto.chat
+    hosted = {**MESSAGES, "tools": [CUSTOM, HOSTED], "tool_choice": {"type": "any"}}
+    chat = translate_messages(hosted, max_model_len=8192).chat
+    assert chat["tool_choice"] == "required" and len(chat["tools"]) == 1
+
+
+# ----------------------------------------------------------------------------------------- C32
+
+
+def check(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``qwen38-gateway check ARGS`` with no config file anywhere (defaults apply)."""
+    env = {**os.environ, "QWEN38_GATEWAY_CONFIG": str(tmp / "absent.toml")}
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "check", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_c32_check_keys_file_checks_the_keys_file(workdir: Path) -> None:
+    """`check --keys-file F` without a config: a valid file exits 0 with the default listener's missing TLS as a warning; a broken file exits 1; with --config too, the listener fails the check."""
+    keys = workdir / "keys.env"
+    write_keys(keys, {"KEY_A": ("acme", KEY_A)})
+    ok = check(workdir, "--keys-file", str(keys))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "WARN listener" in ok.stdout and "OK   keys" in ok.stdout
+    broken = workdir / "broken.env"
+    write_keys(broken, {}, extra="KEY_B=acme:short\n")
+    bad = check(workdir, "--keys-file", str(broken))
+    assert bad.returncode == 1 and "FAIL keys" in bad.stdout
+    config = workdir / "gateway.toml"
+    config.write_text('[server]\nhost = "0.0.0.0"\n')
+    both = check(workdir, "--config", str(config), "--keys-file", str(keys))
+    assert both.returncode == 1 and "FAIL listener" in both.stdout
