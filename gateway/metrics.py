@@ -195,6 +195,16 @@ class Metrics:
             "Requests sent to the engine again after it died before answering a byte.",
             registry=registry,
         )
+        self.prompt_counts = Counter(
+            "gateway_prompt_counts",
+            "Prompts counted by the engine's /tokenize before admission (their ceiling was refused).",
+            registry=registry,
+        )
+        self.prompt_ceiling_exceeded = Counter(
+            "gateway_prompt_ceiling_exceeded",
+            "Requests whose engine prompt count exceeded the reserved prompt ceiling.",
+            registry=registry,
+        )
         self.engine_up = Gauge(
             "gateway_engine_up",
             "1 when the engine answers /health with 200, else 0.",

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from gateway.accounting import Accounting
 from gateway.body import client_body, read_body, unplannable_as_400
+from gateway.budget import reserve_budgets
 from gateway.dialects import Dialect, PlanInput
 from gateway.drain import Drain
 from gateway.errors import (
@@ -41,14 +42,12 @@ from gateway.middleware import Handler, credential
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
 from gateway.settling import release_ticket, run_to_end, settle, take_baseline
 from gateway.state import (
-    ACCOUNTING,
     ADMISSION,
     ANSWER_WORKER,
     CLOCK,
     CONTEXT,
     DRAIN,
     ENGINE_STATE,
-    LIMITER,
     METRICS,
     QUARANTINE,
     UPSTREAM,
@@ -130,15 +129,9 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     if not state.ready:
         raise state.unavailable()
 
-    accounting = app[ACCOUNTING]
-    quota = await accounting.reserve(call.caller.tenant, plan.reserve_tokens)
-    call.quota = quota
-    limiter = app[LIMITER]
-    try:
-        reservation = await limiter.reserve(call.caller.tenant, plan.reserve_tokens)
-    except BaseException:
-        await accounting.settle(quota, 0)
-        raise
+    reservation = await reserve_budgets(request, call)
+    plan = call.plan
+    assert plan is not None
     call.reservation = reservation
     metrics = app[METRICS]
     label = call.caller.label
@@ -303,8 +296,8 @@ def time_limit(call: ModelCall) -> float | None:
     """Seconds the request may take at the engine, or None for no limit.
 
     ``engine.request_timeout_s`` when set; else ``engine.read_timeout_s`` (the prefill
-    allowance) plus every output token the request may generate (``reserve_tokens`` minus the
-    prompt estimate: n x max_tokens, times the prompts of a completions list) at
+    allowance) plus every output token the request may generate (`RequestPlan.output_tokens`:
+    n x max_tokens, times the prompts of a completions list) at
     ``engine.min_tokens_per_s``; None when both are 0.
     """
     assert call.plan is not None
@@ -313,7 +306,7 @@ def time_limit(call: ModelCall) -> float | None:
         return engine.request_timeout_s
     if engine.min_tokens_per_s <= 0:
         return None
-    output = max(0, call.plan.reserve_tokens - call.plan.prompt_estimate)
+    output = call.plan.output_tokens
     return engine.read_timeout_s + output / engine.min_tokens_per_s
 
 

@@ -7,6 +7,7 @@ Everything the contract does not name passes through untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gateway.ceiling import chat_ceiling, completion_ceiling
 from gateway.config import Settings, TenantSettings
 from gateway.errors import BadRequest, ModelNotFound, PermissionDenied
 from gateway.validate import find_unsendable, validate_fields
@@ -55,11 +57,15 @@ class RequestPlan:
             usage is what the gateway charges for a stream cut short (`gateway.sse`).
         thinking: effective thinking mode (None for ``/v1/completions``, which has no template).
         n: choices requested.
-        prompt_estimate: prompt tokens estimated from the body (an over-estimate, see
-            `estimate_prompt_tokens`).
+        prompt_estimate: prompt tokens estimated from the body (a typical figure, see
+            `estimate_prompt_tokens`): sizes the default output budget, stands for the prompt of
+            a cut request the engine never counted.
         max_output: output tokens the request may generate per choice.
         reserve_tokens: tokens to reserve against the tenant's budget:
-            ``prompt_estimate + max_output * n``.
+            ``prompt_ceiling + max_output * sequences``, a bound on what the engine can count.
+        prompt_ceiling: prompt tokens the engine cannot exceed (`gateway.ceiling`), or its exact
+            count once asked (``prompt_exact``).
+        prompt_exact: ``prompt_ceiling`` is the engine's own count (``/tokenize``).
     """
 
     body: bytes
@@ -71,6 +77,30 @@ class RequestPlan:
     max_output: int
     reserve_tokens: int
     client_wants_running_usage: bool = False
+    prompt_ceiling: int = 0
+    prompt_exact: bool = False
+
+    @property
+    def output_tokens(self) -> int:
+        """Output tokens reserved: ``max_output`` for every sequence the engine generates."""
+        return max(0, self.reserve_tokens - self.prompt_ceiling)
+
+    @property
+    def prompt_fallback(self) -> int:
+        """The prompt charged when the engine never reported a count for it: the engine's exact
+        count when asked before admission, else the estimate (never above the ceiling)."""
+        if self.prompt_exact:
+            return self.prompt_ceiling
+        return min(self.prompt_estimate, self.prompt_ceiling)
+
+    def with_prompt_count(self, count: int) -> RequestPlan:
+        """This plan reserving the engine's exact prompt ``count`` instead of the ceiling."""
+        return dataclasses.replace(
+            self,
+            prompt_ceiling=count,
+            prompt_exact=True,
+            reserve_tokens=count + self.output_tokens,
+        )
 
 
 def cache_salt(secret: bytes, tenant: str) -> str:
@@ -272,6 +302,7 @@ def plan_request(
 
     prompts = prompt_lengths(body["prompt"]) if kind == "completions" else None
     prompt_estimate = estimate_prompt_tokens(body, kind) if prompts is None else sum(prompts)
+    ceilings = [chat_ceiling(out)] if prompts is None else prompt_ceilings(body["prompt"])
     max_fields = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
     requested = None
     for name in max_fields:
@@ -299,6 +330,8 @@ def plan_request(
         choices = max(n, best_of if isinstance(best_of, int) else 1)
     sequences = choices * (len(prompts) if prompts is not None else 1)
     returned = n * (len(prompts) if prompts is not None else 1)
+    # The charged prompt is the engine's usage, which counts each prompt once whatever n is.
+    prompt_ceiling = sum(ceilings)
 
     out.pop("priority", None)
     out["request_id"] = request_id
@@ -313,7 +346,8 @@ def plan_request(
         n=returned,
         prompt_estimate=prompt_estimate,
         max_output=max_output,
-        reserve_tokens=prompt_estimate + max_output * sequences,
+        reserve_tokens=prompt_ceiling + max_output * sequences,
+        prompt_ceiling=prompt_ceiling,
     )
 
 
@@ -356,6 +390,19 @@ def prompt_lengths(prompt: Any) -> list[int]:
     if prompt and all(isinstance(p, int) for p in prompt):
         return [len(prompt)]
     return [_text_bytes(p) // 3 + 3 for p in prompt]
+
+
+def prompt_ceilings(prompt: Any) -> list[int]:
+    """Prompt tokens of each prompt of a ``/v1/completions`` ``prompt``, at most: a text prompt
+    its NFD UTF-8 bytes plus the special tokens (`gateway.ceiling.completion_ceiling`), a
+    token-id prompt its exact length."""
+    if isinstance(prompt, str):
+        return [completion_ceiling(prompt)]
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return [len(ids) for ids in prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [len(prompt)]
+    return [completion_ceiling(p) if isinstance(p, str) else len(str(p)) for p in prompt]
 
 
 def _check_context(

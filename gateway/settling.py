@@ -16,6 +16,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from gateway.admission import Ticket
@@ -30,6 +31,8 @@ from gateway.state import (
     UPSTREAM,
     ModelCall,
 )
+
+log = structlog.get_logger("gateway.settling")
 
 PROMPT_COUNT_TIMEOUT_S = 2.0
 """Longest wait for the engine's prompt count of a request cut before its usage arrived."""
@@ -69,9 +72,9 @@ async def release_ticket(request: web.Request, call: ModelCall, ticket: Ticket) 
                 request.app[IDLE_COUNTERS].keep(after, baseline.grants)
     finally:
         if needs_prompt_count(call):
-            ticket.release(call.plan.prompt_estimate + usage.completion_so_far())
+            ticket.release(call.plan.prompt_fallback + usage.completion_so_far())
         else:
-            ticket.release(sum(usage.settle(call.plan.prompt_estimate, call.plan.n)))
+            ticket.release(sum(usage.settle(call.plan.prompt_fallback, call.plan.n)))
         admission = request.app[ADMISSION]
         if admission.max_concurrency == 1 and admission.in_flight == 0:
             request.app[IDLE_COUNTERS].refresh(admission.grants)
@@ -112,7 +115,16 @@ async def settle(request: web.Request, call: ModelCall) -> None:
         usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
             call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
         )
-    prompt, completion = usage.settle(call.plan.prompt_estimate, call.plan.n)
+    prompt, completion = usage.settle(call.plan.prompt_fallback, call.plan.n)
+    if usage.source in ("engine", "streamed", "counters") and prompt > call.plan.prompt_ceiling:
+        # The template rendered more than `gateway.ceiling` bounds: the reservation was short.
+        request.app[METRICS].prompt_ceiling_exceeded.inc()
+        log.error(
+            "prompt_ceiling_exceeded",
+            prompt_tokens=prompt,
+            ceiling=call.plan.prompt_ceiling,
+            exact=call.plan.prompt_exact,
+        )
     if usage.reached_engine:
         metrics = request.app[METRICS]
         metrics.tokens.labels(call.caller.label, "prompt").inc(prompt)

@@ -56,6 +56,8 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway_quarantined_requests_total": ("counter", ("tenant",)),
     "gateway_quarantine_entries": ("gauge", ()),
     "gateway_engine_retries_total": ("counter", ()),
+    "gateway_prompt_counts_total": ("counter", ()),
+    "gateway_prompt_ceiling_exceeded_total": ("counter", ()),
     "vllm:num_requests_running": ("gauge", _VLLM),
     "vllm:num_requests_waiting": ("gauge", _VLLM),
     "vllm:kv_cache_usage_perc": ("gauge", _VLLM),

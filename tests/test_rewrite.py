@@ -142,9 +142,9 @@ def test_isolation_fields_replaced() -> None:
 
 
 def test_reservation_uses_max_tokens_times_n() -> None:
-    """Reservation = prompt estimate + max output x n; the tenant cap applies when unset."""
+    """Reservation = prompt ceiling + max output x n; the tenant cap applies when unset."""
     p, out = plan({"messages": MESSAGES, "max_tokens": 50, "n": 3})
-    assert p.reserve_tokens == p.prompt_estimate + 150
+    assert p.reserve_tokens == p.prompt_ceiling + 150 and p.output_tokens == 150
     p, out = plan({"messages": MESSAGES})
     assert p.max_output == 1000 and out["max_completion_tokens"] == 1000
 

@@ -4,7 +4,9 @@ Prompt tokens (what `usage.prompt_tokens` reports and the context check uses):
 
 - chat: ``3 + sum(4 + ceil(B / 4) for each message)``, where B is the number of UTF-8 bytes of
   the message text: the `content` string, or the `text` of its text parts, concatenated; plus
-  ``ceil(T / 4)`` for the `tools` list, T the UTF-8 bytes of its JSON;
+  the JSON the chat template renders, counted by `json_tokens`: each tool definition as
+  Qwen3's template writes it (``tojson``: ``json.dumps`` with ``", "`` and ``": "``), and the
+  ``tool_calls`` of assistant history;
 - completions: ``ceil(B / 4)`` for a text prompt, the list length for a token-id prompt.
 
 Generated tokens: `usage.completion_tokens` counts them all, reasoning, markup and the
@@ -30,7 +32,6 @@ answer, the first `max_tokens` tokens are generated and finish_reason is `length
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 import math
@@ -100,6 +101,7 @@ CHOICE_OFFSET = 7
 PAD = "~"
 
 _TOKEN_RE = re.compile(r" ?[A-Za-z0-9]+| ?[^\sA-Za-z0-9]|\s+")
+_LONG_WORD = re.compile(r"[A-Za-z0-9]{5,}")
 
 
 class Kind(enum.IntEnum):
@@ -171,14 +173,33 @@ def message_text(message: object) -> str:
     return ""
 
 
+def json_tokens(value: object) -> int:
+    """Tokens of ``value`` rendered as the chat template's ``tojson`` writes it
+    (``json.dumps(value, ensure_ascii=False)``): a run of ASCII letters and digits (with one
+    leading space) is ceil(length / 4) tokens, a run of whitespace one, every other character
+    one, as a byte-level BPE that merges no punctuation would count (brackets, commas and
+    quotes of a schema are most of its tokens: 20,000 empty arrays are 60,000 tokens here,
+    20,031 for Qwen's tokenizer)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (ValueError, TypeError, RecursionError):
+        return 0
+    # One token per piece, plus the extra tokens of words longer than four characters.
+    pieces = len(_TOKEN_RE.sub("x", text))  # every character is in exactly one piece
+    return pieces + sum((len(word) + 3) // 4 - 1 for word in _LONG_WORD.findall(text))
+
+
 def chat_prompt_tokens(messages: Sequence[object], tools: object = None) -> int:
     """Tokens of a chat prompt: 3 + sum of (4 + ceil(UTF-8 bytes of the message text / 4)),
-    plus ceil(UTF-8 bytes of the `tools` list as JSON / 4) when the request has tools (the
-    chat template writes them into the prompt)."""
-    count = 3 + sum(4 + text_tokens(message_text(m)) for m in messages)
+    plus `json_tokens` of each tool definition (the chat template writes them into the
+    prompt) and of each assistant message's ``tool_calls``."""
+    count = 3
+    for message in messages:
+        count += 4 + text_tokens(message_text(message))
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+            count += json_tokens(message["tool_calls"])
     if isinstance(tools, list) and tools:
-        with contextlib.suppress(ValueError, RecursionError):
-            count += text_tokens(json.dumps(tools, ensure_ascii=False))
+        count += sum(json_tokens(tool) for tool in tools)
     return count
 
 
