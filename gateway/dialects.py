@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from gateway.config import Settings, TenantSettings
 from gateway.errors import GatewayError
+from gateway.framing import comment
 from gateway.rewrite import Kind, RequestPlan, plan_request
 from gateway.sse import RelayState, SseRelay, rewrite_completion_body
 
@@ -145,7 +146,7 @@ def _openai_json(body: dict[str, Any], settings: Settings, plan: RequestPlan) ->
     return rewrite_completion_body(body, settings.model.alias)
 
 
-OPENAI_KEEPALIVE = b": keep-alive\n\n"
+OPENAI_KEEPALIVE = comment("keep-alive")
 
 
 def openai_error_body(error: GatewayError) -> bytes:

@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.framing import data_event
 from gateway.secret_scan import looks_like_credential
 
 # Seconds a client should wait before retrying while the engine loads or restarts: a V100 takes
@@ -138,7 +139,7 @@ class GatewayError(Exception):
 
     def sse_event(self) -> bytes:
         """The error as one SSE ``data:`` event, for errors after a stream's headers went out."""
-        return b"data: " + self.json_bytes() + b"\n\n"
+        return data_event(self.json_bytes())
 
 
 class ClientError(GatewayError):

@@ -87,6 +87,7 @@ def error_response(
     request: BaseRequest,
     error: GatewayError,
     reason: str,
+    cause: BaseException | None = None,
 ) -> web.Response:
     """``error`` in the request's API shape, with ``x-request-id``; logged as one access line
     and counted (tenant ``unknown``, route ``other``: no middleware ran for it)."""
@@ -107,6 +108,8 @@ def error_response(
     except Exception:
         method = "?"
     fields = {"method": method, "route": "other", "status": error.status, "reason": reason}
+    if cause is not None:
+        fields["error"] = type(cause).__name__  # the class only: its text may quote the request
     if error.status >= 500:
         log.warning("request", request_id=request_id, **fields)
     else:
@@ -129,11 +132,12 @@ def guard(app: web.Application, handler: RawHandler) -> RawHandler:
         try:
             return await handler(request)
         except web.HTTPException as exc:
-            return error_response(app, request, error_for(exc, exc.status), "http")
+            return error_response(app, request, error_for(exc, exc.status), "http", exc)
         except Exception as exc:
             if not isinstance(exc, UnicodeError):
                 events.exception("unhandled_error")
-            return error_response(app, request, error_for(exc, 500), "bad_encoding")
+            reason = "bad_encoding" if isinstance(exc, UnicodeError) else "internal"
+            return error_response(app, request, error_for(exc, 500), reason, exc)
 
     return guarded
 
@@ -155,9 +159,8 @@ class GatewayRequestHandler(RequestHandler):
     ) -> web.StreamResponse:
         if request.writer.output_size > 0:
             return super().handle_error(request, status, exc, None)  # raises ConnectionError
-        events.info("http_error", status=status, error=type(exc).__name__ if exc else None)
         app = getattr(self._manager, "gateway_app", None)
-        return error_response(app, request, error_for(exc, status), "malformed_http")
+        return error_response(app, request, error_for(exc, status), "malformed_http", exc)
 
 
 class _Server(web.Server):

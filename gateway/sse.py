@@ -31,9 +31,11 @@ from typing import Any
 
 import structlog
 
+from gateway.framing import DONE, data_event
+
 log = structlog.get_logger("gateway.sse")
 
-DONE_EVENT = b"data: [DONE]\n\n"
+DONE_EVENT = DONE
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 """Default of the largest event relayed (``engine.max_event_bytes``)."""
 
@@ -250,10 +252,10 @@ class SseRelay:
             return None
         if b'"usage":' in chunk:
             if events == 1:
-                chunk = b"data: " + self._take_running_usage(chunk[6:-2]) + b"\n\n"
+                chunk = data_event(self._take_running_usage(chunk[6:-2]))
             else:
                 chunk = b"".join(
-                    b"data: " + self._take_running_usage(event[6:]) + b"\n\n"
+                    data_event(self._take_running_usage(event[6:]))
                     for event in chunk[:-2].split(b"\n\n")
                 )
         state.content_events += events if state.events else events - 1
@@ -318,7 +320,7 @@ class SseRelay:
                 obj = None
             if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
                 state.error = obj["error"]
-                return b"data: " + payload + b"\n\n"
+                return data_event(payload)
         if b'"choices":[]' in payload and b'"usage":' in payload:
             self._observe_usage(payload)
             if not self._wants_usage:
@@ -336,7 +338,7 @@ class SseRelay:
                 payload = payload.replace(b'"reasoning":', b'"reasoning_content":')
         if self._rename_model:
             payload = payload.replace(self._model_from, self._model_to, 1)
-        return b"data: " + payload + b"\n\n"
+        return data_event(payload)
 
     def _observe_usage(self, payload: bytes) -> None:
         """Record the final usage of the usage-only chunk (``choices: []``)."""

@@ -29,10 +29,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway.admission import Ticket
+from gateway.framing import comment
 from gateway.relay import ClientStream
 from gateway.state import ModelCall
 
-QUEUED_COMMENT = b": queued\n\n"
+QUEUED_COMMENT = comment("queued")
 PRIORITY_HEADER = "X-Request-Priority"
 BACKGROUND_TIERS = frozenset({"flex"})
 """``service_tier`` values that mark a request as background work: OpenAI's ``flex`` tier is

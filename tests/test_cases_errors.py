@@ -127,7 +127,9 @@ ECHOED = [
 
 
 ECHOED_CASES = [
-    pytest.param(dialect, body, param, stream, id=f"{param}-{'stream' if stream else 'json'}")
+    pytest.param(
+        dialect, body, param, stream, id=f"{dialect}-{param}-{'stream' if stream else 'json'}"
+    )
     for dialect, body, param in ECHOED
     for stream in (False, True)
     if not (stream and dialect == "count_tokens")  # count_tokens has no stream
@@ -380,7 +382,9 @@ UNHONOURABLE = [
 
 
 @pytest.mark.parametrize(
-    ("dialect", "body", "named"), UNHONOURABLE, ids=[u[2] for u in UNHONOURABLE]
+    ("dialect", "body", "named"),
+    UNHONOURABLE,
+    ids=[f"{u[0]}-{index}-{u[2]}" for index, u in enumerate(UNHONOURABLE)],
 )
 def test_c31_requests_that_cannot_be_honoured_are_refused(
     gw: Gateway, dialect: str, body: dict[str, Any], named: str

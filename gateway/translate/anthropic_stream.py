@@ -17,11 +17,11 @@ included, as Anthropic counts thinking in output).
 
 from __future__ import annotations
 
-import json
 import secrets
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from gateway.framing import json_event
 from gateway.translate.chat_events import (
     Event,
     Finish,
@@ -33,13 +33,12 @@ from gateway.translate.chat_events import (
 )
 from gateway.translate.common import arguments_object, new_id
 
-PING_EVENT = b'event: ping\ndata: {"type":"ping"}\n\n'
+PING_EVENT = json_event("ping", {"type": "ping"})
 
 
 def sse(name: str, data: dict[str, Any]) -> bytes:
-    """One named SSE event with compact JSON data."""
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {name}\ndata: {payload}\n\n".encode()
+    """One named SSE event with compact JSON data (`gateway.framing`)."""
+    return json_event(name, data)
 
 
 def stop_reason(finish: Finish | None, has_tools: bool, stops: Sequence[str]) -> tuple[str, Any]:

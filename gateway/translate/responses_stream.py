@@ -21,11 +21,11 @@ into one event, and a non-streamed answer is one event, so events are no measure
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from gateway.framing import comment, json_event
 from gateway.translate.chat_events import (
     Event,
     Finish,
@@ -37,7 +37,7 @@ from gateway.translate.chat_events import (
 )
 from gateway.translate.common import new_id
 
-KEEPALIVE_COMMENT = b": keepalive\n\n"
+KEEPALIVE_COMMENT = comment("keepalive")
 
 
 class ResponsesWriter:
@@ -86,8 +86,7 @@ class ResponsesWriter:
             return b""
         data = {"type": name, **data, "sequence_number": self._seq}
         self._seq += 1
-        payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {name}\ndata: {payload}\n\n".encode()
+        return json_event(name, data)
 
     def start(self, *, counted: bool = True) -> bytes:
         """``response.created`` and ``response.in_progress``, once (``counted`` is ignored: the
