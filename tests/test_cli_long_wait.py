@@ -43,17 +43,17 @@ def long_stack(
         "--tool-call",
         tool_call,
     )
-    return gateway_factory(sim, {"model": {"accepted": ["*"]}})
+    # The holder's silent prefill must not reach the engine's read timeout (900 s).
+    engine = {"read_timeout_s": max(900.0, WAIT_S + 120)}
+    return gateway_factory(sim, {"model": {"accepted": ["*"]}, "engine": engine})
 
 
 def hold(gw: Gateway, seconds: float) -> threading.Thread:
-    """Another tenant's stream holds the engine's one slot for ``seconds``: a slow answer, two
-    tokens a second (a silent prefill would end at ``engine.read_timeout_s``, 900 s)."""
+    """Another tenant's stream holds the engine's one slot for ``seconds`` (a long prefill)."""
     body = {
         "messages": [{"role": "user", "content": HOLD}],
         "stream": True,
-        "max_tokens": int(seconds * 2),
-        "sim": {"completion_tokens": int(seconds * 2), "tokens_per_second": 2},
+        "sim": {"prefill_ms": seconds * 1000, "completion_tokens": 2},
     }
 
     def run() -> None:

@@ -73,7 +73,7 @@ def test_a_queued_messages_stream_opens_pings_and_shows_progress(gw: Gateway) ->
     """Messages: a queued stream gets message_start at once, pings, then no-op message_delta
     events (the only thing Claude Code's watchdog counts), all valid for the anthropic SDK, and
     the answer after them with the engine's input count."""
-    holder = hold_slot(gw, 3.5)
+    holder = hold_slot(gw, 8.0)
     client = anthropic.Anthropic(base_url=gw.base_url, api_key=KEY_A, max_retries=0)
     raw = b""
     with httpx.stream(
@@ -114,7 +114,7 @@ def test_a_queued_messages_stream_opens_pings_and_shows_progress(gw: Gateway) ->
     assert final.type == "message_delta" and final.delta.stop_reason == "end_turn"
     assert final.usage.input_tokens and final.usage.input_tokens > 0
     # The SDK's own accumulation over the same kind of wait.
-    holder = hold_slot(gw, 2.5)
+    holder = hold_slot(gw, 4.0)
     with client.messages.stream(
         model="qwen3.8-27b",
         max_tokens=64,
@@ -132,7 +132,7 @@ def test_a_queued_responses_stream_repeats_in_progress(gw: Gateway) -> None:
     """Responses: a queued stream gets response.created and response.in_progress at once, then
     more response.in_progress events (Codex's idle timer counts events, not comments), with
     increasing sequence numbers, and the answer; the openai SDK reads every event."""
-    holder = hold_slot(gw, 3.5)
+    holder = hold_slot(gw, 8.0)
     client = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, max_retries=0)
     events = list(
         client.responses.create(model="qwen3.8-27b", input="queued-responses", stream=True)
@@ -245,7 +245,7 @@ def test_an_interactive_answer_goes_before_its_tenants_background_tasks(gw: Gate
     """A chat UI's title (service_tier "flex") and tags (X-Request-Priority: background) requests
     queued before its answer are served after it, through the openai SDK."""
     client = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, max_retries=0)
-    holder = hold_slot(gw, 8.0)
+    holder = hold_slot(gw, 15.0)
     done: list[str] = []
 
     def ask(text: str, **extra: Any) -> None:
@@ -256,17 +256,17 @@ def test_an_interactive_answer_goes_before_its_tenants_background_tasks(gw: Gate
 
     title = threading.Thread(target=ask, args=("task-title",), kwargs={"service_tier": "flex"})
     title.start()
-    assert wait_until(lambda: gw.metric("gateway_queue_depth") == 1, 5)
+    assert wait_until(lambda: gw.metric("gateway_queue_depth") == 1, 10)
     tags = threading.Thread(
         target=ask,
         args=("task-tags",),
         kwargs={"extra_headers": {"X-Request-Priority": "background"}},
     )
     tags.start()
-    assert wait_until(lambda: gw.metric("gateway_queue_depth") == 2, 5)
+    assert wait_until(lambda: gw.metric("gateway_queue_depth") == 2, 10)
     ask("the-answer")
     for thread in (title, tags, holder):
-        thread.join(30)
+        thread.join(60)
     client.close()
     assert gw.sim is not None
     order = [
