@@ -116,7 +116,7 @@ install -d -m 0755 "$unit_dir" "$tmpfiles_dir" "$sbin_dir" "$share_dir" "$doc_di
 
 # --- files that are ours: replaced every run -------------------------------------------------
 units_changed=0
-for unit in qwen38-engine.service qwen38-gateway.service; do
+for unit in qwen38-engine.service qwen38-engine@.service qwen38-gateway.service; do
     if ! cmp -s "$here/systemd/$unit" "$unit_dir/$unit"; then
         units_changed=1
     fi

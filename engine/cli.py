@@ -18,6 +18,7 @@ from engine.config import (
     config_path,
     load_settings,
 )
+from engine.cpukv import read_cpu_flags, resolve_kv_cache_dtype
 from engine.gpus import resolve_devices
 from engine.probes import PreflightError, Probes, system_probes
 
@@ -99,14 +100,18 @@ def _load(path_arg: str | None, environ: Mapping[str, str]) -> tuple[Settings, s
     return load_settings(path), str(path)
 
 
-def _launch(settings: Settings, probes: Probes) -> Launch:
+def _launch(settings: Settings, probes: Probes, cpu_flags: frozenset[str] | None = None) -> Launch:
     """The launch for ``settings``; PCI bus ids among the GPUs are resolved to their UUIDs.
+
+    ``cpu_flags``: this host's, for a ``kv_cache_dtype`` chosen by the CPU (`engine.cpukv`).
 
     Raises:
         PreflightError: a bus id cannot be resolved.
     """
     engine = settings.engine
-    return build_launch(engine, visible_devices=resolve_devices(engine.devices, probes))
+    return build_launch(
+        engine, visible_devices=resolve_devices(engine.devices, probes), cpu_flags=cpu_flags
+    )
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -167,8 +172,13 @@ def _serve(args: argparse.Namespace) -> int:
         if preflight.failed(results):
             log.error("preflight_failed", failed=[r.name for r in results if r.status == "FAIL"])
             return EXIT_FAILURE
+    flags = read_cpu_flags()
+    configured = settings.engine.kv_cache_dtype
+    choice = resolve_kv_cache_dtype(configured, flags)
+    if choice.reason:
+        log.info("kv_cache_dtype", configured=configured, chosen=choice.dtype, reason=choice.reason)
     try:
-        launch = _launch(settings, probes)
+        launch = _launch(settings, probes, flags)
     except PreflightError as exc:
         log.error("gpu_unresolved", error=str(exc), fix=exc.fix)
         return EXIT_CONFIG

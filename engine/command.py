@@ -9,6 +9,7 @@ from types import MappingProxyType
 
 from engine.config import EngineConfig
 from engine.configvalues import FORBIDDEN_ENV
+from engine.cpukv import FP8_IF_SUPPORTED, read_cpu_flags, resolve_kv_cache_dtype
 from engine.gpus import gpu_kind
 
 # systemd's notification variables belong to the launcher, not to its child (sd_notify(3)).
@@ -75,7 +76,12 @@ def _is_option(word: str) -> bool:
     return word.startswith("--") and len(word) > 2
 
 
-def build_launch(engine: EngineConfig, *, visible_devices: Sequence[str] | None = None) -> Launch:
+def build_launch(
+    engine: EngineConfig,
+    *,
+    visible_devices: Sequence[str] | None = None,
+    cpu_flags: frozenset[str] | None = None,
+) -> Launch:
     """The argv and environment for ``engine``.
 
     The flag list is the reference deployment's (DESIGN section 8; every flag checked against
@@ -90,6 +96,9 @@ def build_launch(engine: EngineConfig, *, visible_devices: Sequence[str] | None 
             defaults to those selectors, which must then be indices or UUIDs (CUDA does not
             accept PCI bus ids; resolve those to the GPU's UUID first, see
             `engine.gpus.resolve_devices`).
+        cpu_flags: the host CPU's ``/proc/cpuinfo`` flags, read only when ``kv_cache_dtype`` is
+            ``fp8_e5m2_if_cpu_supports``, which `engine.cpukv.resolve_kv_cache_dtype` turns into
+            ``fp8_e5m2`` or ``auto``; defaults to this host's.
 
     Raises:
         ValueError: ``visible_devices`` is missing and a GPU is named by its PCI bus id, or it
@@ -108,6 +117,10 @@ def build_launch(engine: EngineConfig, *, visible_devices: Sequence[str] | None 
     parallel: tuple[str, ...] = ()
     if engine.tensor_parallel_size > 1:
         parallel = ("--tensor-parallel-size", str(engine.tensor_parallel_size))
+    kv_cache_dtype = engine.kv_cache_dtype
+    if kv_cache_dtype == FP8_IF_SUPPORTED:
+        flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, flags).dtype
     speculative: tuple[str, ...] = ()
     if engine.speculative is not None:
         speculative = ("--speculative-config", engine.speculative.as_json())
@@ -122,7 +135,7 @@ def build_launch(engine: EngineConfig, *, visible_devices: Sequence[str] | None 
         "--max-model-len",
         str(engine.max_model_len),
         "--kv-cache-dtype",
-        engine.kv_cache_dtype,
+        kv_cache_dtype,
         "--reasoning-parser",
         engine.reasoning_parser,
         "--enable-auto-tool-choice",

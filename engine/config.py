@@ -91,7 +91,9 @@ class EngineConfig:
         max_model_len: context length in tokens; 254,976 fits the 256,484-token FP8 KV pool measured
             on the reference V100 (DEPLOYMENT-NOTES).
         kv_cache_dtype: ``--kv-cache-dtype``; ``fp8_e5m2`` is what Flash-V100 uses on SM70
-            (vllm-protocol.md section 1.3).
+            (vllm-protocol.md section 1.3). ``fp8_e5m2_if_cpu_supports`` (vLLM's CPU build
+            only): ``fp8_e5m2`` on a CPU with AVX-512 or AMX, else ``auto``, decided by
+            `engine.cpukv` when the command line is built.
         gpu_memory_utilization: fraction (0, 1] of the card vLLM may use (``--gpu-memory-utilization``).
             0.90 is vLLM's default, and 0.90 x 32 GiB = 28.8 GiB is the reference deployment's
             measured footprint of 28.77 GiB on the V100 (DEPLOYMENT-NOTES), the setting that

@@ -160,6 +160,7 @@ class Accounting:
         ttft_s: float | None,
         duration_s: float,
         request_id: str,
+        engine: str | None = None,
     ) -> None:
         """Queue the ledger record of one finished model request (see `UsageRecord`).
 
@@ -185,6 +186,7 @@ class Accounting:
                 ttft_s,
                 duration_s,
                 request_id,
+                engine=engine,
             )
         )
 

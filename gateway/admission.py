@@ -1,16 +1,21 @@
-"""The admission queue: a bounded number of requests at the engine, the others wait fairly."""
+"""The admission queue: a bounded number of requests at the engines, the others wait fairly.
+
+One queue for every engine behind the gateway: tenant fairness is global, and each request is
+granted a free slot of one engine (`gateway.placement`: health, session affinity with bounded
+load), so no engine ever has more requests in flight than its slots."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
-from enum import Enum
+from collections.abc import Callable, Mapping, Sequence
 
 from gateway.errors import EngineUnavailable, GatewayError, RateLimited, retry_after_header
 from gateway.metrics import Metrics
+from gateway.placement import EngineSlots, place
+from gateway.ticket import Ticket as Ticket
+from gateway.ticket import _State
 
 SERVICE_EWMA_ALPHA = 0.2
 """Weight of the newest request's engine time in the moving average behind the drain rate."""
@@ -23,189 +28,35 @@ tokens/s one V100 generates."""
 # entries (and more dead than live) the line is rebuilt, so a storm of cancellations cannot grow
 # it without bound.
 _LINE_SLACK = 64
+# Waiters of one tenant looked at for one that can be placed now (affinity may skip a head whose
+# engine is busy); beyond them the tenant waits for the next release.
+_PLACE_SCAN = 32
 
 
-class _State(Enum):
-    WAITING = "waiting"
-    GRANTED = "granted"
-    DONE = "done"
-
-
-class Ticket:
-    """One request's place at the engine: granted at once, or waiting in the queue.
-
-    Always call `release` in a ``finally``; it is idempotent and correct in every state.
-    """
-
-    __slots__ = (
-        "_alarm",
-        "_error",
-        "_queue",
-        "_state",
-        "background",
-        "behind_own",
-        "cost",
-        "enqueued_at",
-        "granted_at",
-        "label",
-        "seq",
-        "start",
-        "tenant",
-        "weight",
-    )
-
-    def __init__(
-        self,
-        queue: AdmissionQueue,
-        tenant: str,
-        label: str,
-        weight: float,
-        cost: int,
-        enqueued_at: float,
-        seq: int,
-    ) -> None:
-        self._queue = queue
-        self._state = _State.WAITING
-        self._alarm: asyncio.Future[None] | None = None
-        self._error: GatewayError | None = None
-        self.tenant = tenant
-        self.label = label
-        self.weight = weight
-        self.cost = cost
-        self.seq = seq
-        self.start = 0.0
-        self.behind_own = False
-        self.background = False
-        self.enqueued_at = enqueued_at
-        self.granted_at: float | None = None
-
-    @property
-    def granted(self) -> bool:
-        """True while the ticket holds an engine slot."""
-        return self._state is _State.GRANTED
-
-    @property
-    def released(self) -> bool:
-        """True once the ticket was released (or failed by a closed queue)."""
-        return self._state is _State.DONE
-
-    @property
-    def waited_s(self) -> float:
-        """Seconds spent in the queue: until granted, or until now while still waiting."""
-        end = self.granted_at if self.granted_at is not None else self._queue.clock()
-        return max(0.0, end - self.enqueued_at)
-
-    async def wait(self, max_wait: float | None = None) -> bool:
-        """Wait for the slot.
-
-        Args:
-            max_wait: seconds to wait at most in this call; None waits until granted or timed out.
-
-        Returns:
-            True once granted; False if ``max_wait`` passed and the ticket is still queued (call
-            again to keep waiting; the app sends ``: queued`` SSE comments in between).
-
-        Raises:
-            RateLimited: ``queue``, when ``engine.queue_timeout_s`` since `AdmissionQueue.enqueue`
-                passed and this request queued behind its own tenant's earlier waiters, at least
-                two and at least the tenant's weighted share of the queue then.
-            EngineUnavailable: the same timeout otherwise (the engine is saturated overall).
-            GatewayError: the queue was closed (`AdmissionQueue.close`) while waiting: the
-                closing error, e.g. 503 during a shutdown.
-            RuntimeError: the ticket was released (before or during the wait).
-            asyncio.CancelledError: passed on, after giving the place (or slot) back.
-        """
-        if self.granted:
-            return True
-        if self.released:
-            raise RuntimeError("ticket already released")
-        queue = self._queue
-        loop = asyncio.get_running_loop()
-        start = queue.clock()
-        try:
-            while True:
-                if self._state is _State.GRANTED:
-                    return True
-                if self._state is _State.DONE:
-                    if self._error is not None:
-                        raise self._error  # the queue was closed by `close`
-                    raise RuntimeError("ticket released while waiting")
-                now = queue.clock()
-                remaining = self.enqueued_at + queue.queue_timeout_s - now
-                if remaining <= 0:
-                    raise queue._expire(self)
-                timeout = remaining
-                if max_wait is not None:
-                    left = start + max_wait - now
-                    if left <= 0:
-                        return False
-                    timeout = min(timeout, left)
-                # One future per wait, rung by the grant itself (the task resumes on the next
-                # turn of the loop), by a reload, a release from elsewhere, or this timer.
-                alarm = self._alarm = loop.create_future()
-                timer = loop.call_later(timeout, _ring, alarm)
-                try:
-                    await alarm
-                finally:
-                    timer.cancel()
-                    self._alarm = None
-        except asyncio.CancelledError:
-            self.release()
-            raise
-
-    def _ring(self) -> None:
-        """Wake the task waiting on this ticket, if any."""
-        if self._alarm is not None:
-            _ring(self._alarm)
-
-    def release(self, used: int | None = None) -> None:
-        """Give the place or slot back and grant the next ticket; idempotent, never raises.
-
-        Args:
-            used: tokens the request actually cost at the engine (prompt plus completion; 0 if
-                it never reached it); the tenant's share is charged this instead of the
-                reservation. None keeps the reservation as the charge.
-        """
-        state = self._state
-        self._state = _State.DONE
-        if state is _State.WAITING:
-            self._queue._forget(self)
-        elif state is _State.GRANTED:
-            self._queue._finish(self, used)
-
-
-def _ring(alarm: asyncio.Future[None]) -> None:
-    if not alarm.done():
-        alarm.set_result(None)
+def _join(line: deque[Ticket], ticket: Ticket) -> None:
+    """Put ``ticket`` in its tenant's line: a background one at the end, an interactive one
+    before the tenant's first waiting background request (lines hold at most
+    ``engine.queue_size`` entries)."""
+    if not ticket.background:
+        for index, waiter in enumerate(line):
+            if waiter.background and waiter._state is _State.WAITING:
+                line.insert(index, ticket)
+                return
+    line.append(ticket)
 
 
 class _Tenant:
-    """A tenant's waiters (first come, first served; its background requests in a line of their
-    own, served when no interactive one waits) and its virtual finish time ``finish``: the
-    weighted tokens it was charged since the queue was last idle, lifted to the virtual time
-    whenever it starts waiting anew."""
+    """A tenant's waiters (first come, first served) and its virtual finish time ``finish``:
+    the weighted tokens it was charged since the queue was last idle, lifted to the virtual
+    time whenever it starts waiting anew."""
 
-    __slots__ = ("finish", "later", "live", "waiters", "weight")
+    __slots__ = ("finish", "live", "waiters", "weight")
 
     def __init__(self, weight: float) -> None:
         self.waiters: deque[Ticket] = deque()
-        self.later: deque[Ticket] = deque()
         self.live = 0
         self.weight = weight
         self.finish = 0.0
-
-    def lines(self) -> tuple[deque[Ticket], deque[Ticket]]:
-        """The interactive line, then the background line."""
-        return self.waiters, self.later
-
-    def head(self) -> deque[Ticket]:
-        """The line whose first entry is served next (dead entries dropped first)."""
-        for line in self.lines():
-            while line and line[0]._state is not _State.WAITING:
-                line.popleft()
-            if line:
-                return line
-        raise AssertionError("a waiting tenant has a live waiter")
 
 
 class AdmissionQueue:
@@ -225,13 +76,22 @@ class AdmissionQueue:
     credit, and a short request arriving behind another tenant's backlog is served right after
     the request running now. Choosing the next tenant scans the waiting tenants: a handful.
 
+    Several engines: a freed slot goes to the fair order's first waiter that can be placed on an
+    engine with a free slot (`gateway.placement.place`: a session's own engine unless it is loaded
+    beyond ``affinity_load_factor`` times the least-loaded one; only ready engines while any is);
+    a tenant whose waiters all wait for their busy home engines lets the next tenant go. Each
+    engine's in-flight count never exceeds its slots.
+
     Args:
-        max_concurrency: requests at the engine at once (``engine.max_concurrency``).
+        max_concurrency: requests at the engine at once (``engine.max_concurrency``), for one
+            engine named ``default``; ignored when ``engines`` is given.
         queue_size: requests waiting, all tenants together (``engine.queue_size``).
         queue_timeout_s: longest wait from `enqueue` (``engine.queue_timeout_s``).
         metrics: ``gateway_queue_depth``, ``gateway_queue_wait_seconds``,
             ``gateway_rate_limited_total{limit="queue"}``.
         clock: monotonic seconds (measurements and deadlines).
+        engines: ``(name, slots)`` of each engine, in the config's order (`Settings.engine_specs`).
+        affinity_load_factor: ``engine.affinity_load_factor``.
     """
 
     def __init__(
@@ -242,8 +102,12 @@ class AdmissionQueue:
         metrics: Metrics,
         *,
         clock: Callable[[], float] = time.monotonic,
+        engines: Sequence[tuple[str, int]] | None = None,
+        affinity_load_factor: float = 1.5,
     ) -> None:
-        self.max_concurrency = max_concurrency
+        pairs = engines if engines else [("default", max_concurrency)]
+        self.engines: dict[str, EngineSlots] = {n: EngineSlots(n, c) for n, c in pairs}
+        self.affinity_load_factor = affinity_load_factor
         self.queue_size = queue_size
         self.queue_timeout_s = queue_timeout_s
         self.clock = clock
@@ -263,9 +127,23 @@ class AdmissionQueue:
         metrics.queue_depth.set(0)
 
     @property
+    def max_concurrency(self) -> int:
+        """Slots of all engines together."""
+        return sum(e.slots for e in self.engines.values())
+
+    @property
     def in_flight(self) -> int:
         """Tickets holding an engine slot."""
         return self._in_flight
+
+    def set_ready(self, engine: str, ready: bool) -> None:
+        """Record an engine's health (the poller's ready state); a ready engine takes waiters."""
+        slots = self.engines.get(engine)
+        if slots is None or slots.ready == ready:
+            return
+        slots.ready = ready
+        if ready:
+            self._dispatch()
 
     @property
     def grants(self) -> int:
@@ -295,6 +173,7 @@ class AdmissionQueue:
         cost: int,
         *,
         label: str | None = None,
+        home: str | None = None,
         background: bool = False,
     ) -> Ticket:
         """Ask for an engine slot for one request.
@@ -304,6 +183,7 @@ class AdmissionQueue:
             weight: the tenant's ``weight`` (> 0).
             cost: the request's token reservation (prompt estimate plus output budget).
             label: the tenant's metrics label (`Settings.tenant_label`); the name when None.
+            home: the engine holding the request's session (`gateway.affinity`), or None.
             background: the request said it is background work (a chat UI's title or tags):
                 it waits behind its own tenant's interactive requests; across tenants nothing
                 changes.
@@ -322,11 +202,16 @@ class AdmissionQueue:
             raise self._closed()
         now = self.clock()
         ticket = Ticket(self, tenant, label or tenant, weight, cost, now, next(self._seq))
+        ticket.home = home if home in self.engines else None
         ticket.background = background
-        if self._in_flight < self.max_concurrency and self._depth == 0:
-            state = self._tenant(tenant, weight)
-            self._grant(ticket, state, max(state.finish, self._vtime), now)
-            return ticket
+        if self._depth == 0:
+            self._home(ticket, 1)  # counted as its home's waiter while placed, as in _dispatch
+            engine = place(ticket.home, ticket.avoid, self.engines, self.affinity_load_factor)
+            self._home(ticket, -1)
+            if engine is not None:
+                state = self._tenant(tenant, weight)
+                self._grant(ticket, state, max(state.finish, self._vtime), now, engine)
+                return ticket
         if self._depth >= self.queue_size:
             ticket._state = _State.DONE
             entry = self._waiting.get(tenant)
@@ -345,8 +230,9 @@ class AdmissionQueue:
             self._total_weight += weight - state.weight
         state.weight = weight
         state.live += 1
-        (state.later if background else state.waiters).append(ticket)
+        _join(state.waiters, ticket)
         self._depth += 1
+        self._home(ticket, 1)
         # Waiting behind its own tenant's backlog of at least its weighted share of the queue:
         # if this request times out, that backlog is the cause (429), not the engine (503).
         ticket.behind_own = (
@@ -365,15 +251,14 @@ class AdmissionQueue:
         self._closed = error
         failed = 0
         for state in list(self._waiting.values()):
-            for line in state.lines():
-                for ticket in line:
-                    if ticket._state is not _State.WAITING:
-                        continue
-                    ticket._state = _State.DONE
-                    ticket._error = error()
-                    ticket._ring()
-                    failed += 1
-                line.clear()
+            for ticket in state.waiters:
+                if ticket._state is not _State.WAITING:
+                    continue
+                ticket._state = _State.DONE
+                ticket._error = error()
+                ticket._ring()
+                failed += 1
+            state.waiters.clear()
             state.live = 0
         self._waiting.clear()
         self._total_weight = 0.0
@@ -382,19 +267,34 @@ class AdmissionQueue:
         self._idle_check()
         return failed
 
-    def reconfigure(self, max_concurrency: int, queue_size: int, queue_timeout_s: float) -> None:
+    def reconfigure(
+        self,
+        max_concurrency: int | Mapping[str, int],
+        queue_size: int,
+        queue_timeout_s: float,
+        affinity_load_factor: float | None = None,
+    ) -> None:
         """Apply reloaded ``[engine]`` values; waiters keep their places and see the new timeout.
 
-        A smaller queue refuses newcomers until it has drained below the new size; a larger
-        ``max_concurrency`` grants waiters at once.
+        ``max_concurrency``: the slots of the one engine, or of each engine by name (engines not
+        named keep theirs; the set of engines changes only with a restart). A smaller queue
+        refuses newcomers until it has drained below the new size; more slots grant waiters at
+        once; fewer take effect as running requests end.
         """
-        self.max_concurrency = max_concurrency
+        if isinstance(max_concurrency, int):
+            if len(self.engines) == 1:
+                next(iter(self.engines.values())).slots = max_concurrency
+        else:
+            for name, slots in max_concurrency.items():
+                if name in self.engines:
+                    self.engines[name].slots = slots
+        if affinity_load_factor is not None:
+            self.affinity_load_factor = affinity_load_factor
         self.queue_size = queue_size
         self.queue_timeout_s = queue_timeout_s
         for state in self._waiting.values():
-            for line in state.lines():
-                for ticket in line:
-                    ticket._ring()  # waiters recompute their deadlines
+            for ticket in state.waiters:
+                ticket._ring()  # waiters recompute their deadlines
         self._dispatch()
 
     def _tenant(self, tenant: str, weight: float) -> _Tenant:
@@ -416,11 +316,12 @@ class AdmissionQueue:
     def _forget(self, ticket: Ticket) -> None:
         """Drop a waiter that left (released, cancelled or timed out) from the queue."""
         ticket._ring()
+        self._home(ticket, -1)
         state = self._tenants[ticket.tenant]
         self._leave(ticket.tenant, state)
-        if len(state.waiters) + len(state.later) > 2 * state.live + _LINE_SLACK:
-            state.waiters = deque(t for t in state.waiters if t._state is _State.WAITING)
-            state.later = deque(t for t in state.later if t._state is _State.WAITING)
+        waiters = state.waiters
+        if len(waiters) > 2 * state.live + _LINE_SLACK:
+            state.waiters = deque(t for t in waiters if t._state is _State.WAITING)
         self._metrics.queue_depth.set(self._depth)
         self._idle_check()
 
@@ -428,6 +329,8 @@ class AdmissionQueue:
         """Free a granted ticket's slot, learn its engine time, charge what it used, and grant
         the next waiter."""
         self._in_flight -= 1
+        if ticket.engine is not None:
+            self.engines[ticket.engine].in_flight -= 1
         if ticket.granted_at is not None:
             sample = max(0.0, self.clock() - ticket.granted_at)
             old = self._service_s
@@ -437,11 +340,45 @@ class AdmissionQueue:
             state.finish += (max(0, used) - ticket.cost) / ticket.weight
         self._dispatch()
 
-    def _grant(self, ticket: Ticket, state: _Tenant, start: float, now: float) -> None:
-        """Give ``ticket`` a slot at virtual ``start``; its tenant is charged its reservation."""
+    def _requeue(self, ticket: Ticket) -> None:
+        """Put a granted ticket back at the head of its tenant's line (`Ticket.requeue`)."""
+        self._in_flight -= 1
+        if ticket.engine is not None:
+            self.engines[ticket.engine].in_flight -= 1
+        ticket.engine = None
+        ticket._state = _State.WAITING
+        ticket.granted_at = None
+        ticket.enqueued_at = self.clock()  # a new wait, bounded by queue_timeout_s again
+        state = self._tenant(ticket.tenant, ticket.weight)
+        state.finish = max(0.0, state.finish - ticket.cost / ticket.weight)  # charged again
+        if state.live == 0:
+            state.finish = max(state.finish, self._vtime)
+            self._waiting[ticket.tenant] = state
+            self._total_weight += state.weight
+        state.live += 1
+        state.waiters = deque(t for t in state.waiters if t is not ticket)  # a stale entry
+        state.waiters.appendleft(ticket)
+        self._depth += 1
+        self._home(ticket, 1)
+        self._dispatch()
+
+    def _home(self, ticket: Ticket, delta: int) -> None:
+        """Count a waiter in (or out of) its home engine's load."""
+        if ticket.home is not None:
+            self.engines[ticket.home].homed += delta
+
+    def _grant(
+        self, ticket: Ticket, state: _Tenant, start: float, now: float, engine: EngineSlots
+    ) -> None:
+        """Give ``ticket`` a slot on ``engine`` at virtual ``start``; its tenant is charged its
+        reservation."""
         ticket._state = _State.GRANTED
         ticket.granted_at = now
         ticket.start = start
+        ticket.engine = engine.name
+        engine.in_flight += 1
+        engine.grants += 1
+        engine.peak = max(engine.peak, engine.in_flight)
         self._vtime = max(self._vtime, start)
         state.finish = start + ticket.cost / ticket.weight
         self._in_flight += 1
@@ -449,22 +386,46 @@ class AdmissionQueue:
         self._metrics.queue_wait.labels(ticket.label).observe(now - ticket.enqueued_at)
 
     def _dispatch(self) -> None:
-        """Grant waiters while slots are free: the head of the line of the waiting tenant with
-        the smallest virtual finish time, ties to the earliest arrival."""
-        while self._in_flight < self.max_concurrency and self._depth > 0:
-            best: deque[Ticket] | None = None
-            best_state: _Tenant | None = None
+        """Grant waiters while slots are free: from the line of the waiting tenant with the
+        smallest virtual finish time (ties to the earliest arrival), its first waiter that
+        `place` puts on an engine now; a tenant with none is passed over until the next call."""
+        factor = self.affinity_load_factor
+        passed: set[str] = set()
+        while self._depth > 0 and any(e.free for e in self.engines.values()):
+            best: _Tenant | None = None
+            best_name = ""
             best_key = (0.0, 0)
-            for state in self._waiting.values():
-                line = state.head()
-                key = (state.finish, line[0].seq)
+            for name, state in self._waiting.items():
+                if name in passed:
+                    continue
+                waiters = state.waiters
+                while waiters[0]._state is not _State.WAITING:
+                    waiters.popleft()
+                key = (state.finish, waiters[0].seq)
                 if best is None or key < best_key:
-                    best, best_state, best_key = line, state, key
-            assert best is not None and best_state is not None
-            ticket = best.popleft()
-            self._leave(ticket.tenant, best_state)
-            self._grant(ticket, best_state, best_state.finish, self.clock())
-            ticket._ring()
+                    best, best_name, best_key = state, name, key
+            if best is None:
+                break
+            chosen: Ticket | None = None
+            engine: EngineSlots | None = None
+            for waiter in itertools.islice(best.waiters, _PLACE_SCAN):
+                if waiter._state is _State.WAITING:
+                    engine = place(waiter.home, waiter.avoid, self.engines, factor)
+                    if engine is not None:
+                        chosen = waiter
+                        break
+            if chosen is None or engine is None:
+                passed.add(best_name)
+                continue
+            if best.waiters[0] is chosen:
+                best.waiters.popleft()
+            elif len(best.waiters) > 2 * best.live + _LINE_SLACK:
+                best.waiters = deque(t for t in best.waiters if t._state is _State.WAITING)
+            self._home(chosen, -1)
+            self._leave(chosen.tenant, best)
+            # Granted out of line order: it leaves the state WAITING now and is skipped later.
+            self._grant(chosen, best, best.finish, self.clock(), engine)
+            chosen._ring()
         self._metrics.queue_depth.set(self._depth)
         self._idle_check()
 
@@ -474,7 +435,6 @@ class AdmissionQueue:
         self._depth -= 1
         if state.live <= 0:
             state.waiters.clear()
-            state.later.clear()
             del self._waiting[tenant]
             self._total_weight -= state.weight
 

@@ -25,7 +25,8 @@ from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
-from gateway.engine_watch import check_drift, poll_health
+from gateway.engine_watch import check_drift
+from gateway.engines import Engines
 from gateway.fleet_sync import FLEET_SYNC, fleet_ctx
 from gateway.handlers import get_model, health, list_models, ready, usage
 from gateway.keys_file import load_keys_file
@@ -58,6 +59,7 @@ from gateway.state import (
     DIALECTS,
     DRAIN,
     ENGINE_STATE,
+    ENGINES,
     FINISH_HOOKS,
     IDLE_COUNTERS,
     LIMITER,
@@ -70,7 +72,7 @@ from gateway.state import (
     LiveRef,
     build_live,
 )
-from gateway.upstream import EngineState, EngineStatus, Upstream
+from gateway.upstream import EngineState, EngineStatus
 
 
 def create_app(
@@ -111,13 +113,16 @@ def create_app(
     app[CLOCK] = clock
     app[STARTED] = time.time()
     app[DRAIN] = Drain()
-    app[ENGINE_STATE] = EngineState(metrics, clock)
+    app[ENGINE_STATE] = EngineState(metrics, clock, quiet=True)
+    specs = settings.engine_specs
     app[ADMISSION] = AdmissionQueue(
         settings.engine.max_concurrency,
         settings.engine.queue_size,
         settings.engine.queue_timeout_s,
         metrics,
         clock=clock,
+        engines=[(spec.name, spec.max_concurrency) for spec in specs],
+        affinity_load_factor=settings.engine.affinity_load_factor,
     )
     app[QUARANTINE] = quarantine = Quarantine(
         settings.quarantine,
@@ -127,13 +132,9 @@ def create_app(
         unhealthy_after_s=lambda: app[LIVE].current.settings.engine.unhealthy_after_s,
     )
 
-    def on_engine(previous: EngineStatus, status: EngineStatus) -> None:
-        if status == "down" and previous in ("ready", "warming"):
-            quarantine.engine_died()
-        elif status == "ready":
-            quarantine.engine_ready()
-
-    app[ENGINE_STATE].listeners.append(on_engine)
+    # The engines: their states drive the queue's rotation, the quarantine's deaths and the
+    # fleet's state (gateway.engines); their sessions open with the app (_upstream_ctx).
+    app[ENGINES] = Engines(specs, metrics, clock, app[ENGINE_STATE], app[ADMISSION], quarantine)
     app[DIALECTS] = {}
     app[FINISH_HOOKS] = []
 
@@ -153,8 +154,12 @@ def create_app(
         if ACCOUNTING in app:
             app[ACCOUNTING].reconfigure(new_settings)
         engine = new_settings.engine
+        known = app[ENGINES].specs
         app[ADMISSION].reconfigure(
-            engine.max_concurrency, engine.queue_size, engine.queue_timeout_s
+            {s.name: s.max_concurrency for s in new_settings.engine_specs if s.name in known},
+            engine.queue_size,
+            engine.queue_timeout_s,
+            engine.affinity_load_factor,
         )
         if FLEET_SYNC in app:
             app[FLEET_SYNC].wake()  # publish a revocation now
@@ -205,9 +210,14 @@ def create_app(
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The engine session, the health poller that drives `EngineState`, the drift check."""
-    upstream = Upstream(app[LIVE].current.settings.engine, app[METRICS])
-    app[UPSTREAM] = upstream
+    """Each engine's session and health poller (`Engines.start`), the drift check of each, the
+    quarantine file's watcher, the engine's idle counters (one engine of one slot) and the
+    answer worker. ``UPSTREAM`` is the first engine's session (requests that need no slot pick
+    a ready engine through `Engines.any_ready`)."""
+    fleet = app[ENGINES]
+    fleet.start(lambda: app[LIVE].current.settings.engine)
+    app[UPSTREAM] = upstream = fleet.upstream(None)
+    queue = app[ADMISSION]
     state = app[ENGINE_STATE]
     app[IDLE_COUNTERS] = idle = IdleCounters(upstream)
     app[ANSWER_WORKER] = worker = AnswerWorker()
@@ -221,18 +231,16 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     state.listeners.append(on_engine)
     tasks = [
         asyncio.create_task(
-            poll_health(upstream, state, lambda: app[LIVE].current.settings.engine)
-        ),
-        asyncio.create_task(
             check_drift(
-                upstream,
-                state,
-                lambda: app[ADMISSION].in_flight,
+                fleet.upstreams[name],
+                fleet.states[name],
+                functools.partial(lambda n: queue.engines[n].in_flight, name),
                 lambda: app[LIVE].current.settings.engine.drift_check_interval_s,
             )
-        ),
-        asyncio.create_task(_watch_quarantine(app[QUARANTINE])),
+        )
+        for name in fleet.names
     ]
+    tasks.append(asyncio.create_task(_watch_quarantine(app[QUARANTINE])))
     yield
     for task in tasks:
         task.cancel()
@@ -241,7 +249,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
     await idle.close()
     await worker.close()
-    await upstream.close()
+    await fleet.close()
 
 
 async def _watch_quarantine(quarantine: Quarantine) -> None:

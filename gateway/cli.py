@@ -133,6 +133,7 @@ def _demo(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         tokens_per_second=args.tokens_per_second,
+        engines=args.engines,
     )
 
 
@@ -165,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="simulated decode speed (default 30, like one V100; 0 = as fast as possible)",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        choices=range(1, 17),
+        metavar="N",
+        help="engine simulators behind the gateway, one slot each, as one per GPU (default 1)",
     )
     p.set_defaults(func=_demo)
 

@@ -133,6 +133,12 @@ class EngineSettings:
     the engine request aborted); ``max_event_bytes``: the largest single streamed event (past
     it the stream ends with a 502 error event). A 32,768-token answer is about 150 KB of JSON,
     one vLLM event a few hundred bytes (a few KB with ``top_logprobs``).
+
+    Several engines (``[[engines]]`` tables, `EngineSpec`): ``socket``, ``max_concurrency``,
+    ``ready_file`` and ``launcher_status_file`` move to each engine's table; every other key here
+    is shared by all of them. ``affinity``: a session's requests go to the engine that served it
+    last (its prefix cache, `gateway.affinity`), unless that engine's load would exceed
+    ``affinity_load_factor`` times the least-loaded engine's (`gateway.admission`).
     """
 
     socket: str = "/run/qwen38/engine.sock"
@@ -154,6 +160,42 @@ class EngineSettings:
     drift_check_interval_s: float = 30.0
     max_answer_bytes: int = 33_554_432
     max_event_bytes: int = 8_388_608
+    affinity: bool = True
+    affinity_load_factor: float = 1.5
+
+
+ENGINE_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9_-]{0,31}\Z")
+DEFAULT_ENGINE = "default"
+PER_ENGINE_KEYS = ("socket", "max_concurrency", "ready_file", "launcher_status_file")
+"""``[engine]`` keys that belong to each ``[[engines]]`` table when several engines are listed."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine behind the gateway: a ``[[engines]]`` table, or the lone ``[engine] socket``.
+
+    Attributes:
+        name: the engine's name (``[a-z0-9][a-z0-9_-]{0,31}``: a metrics label value, a systemd
+            instance name, a ledger column); ``default`` for the lone ``[engine]`` engine.
+        socket: the engine's Unix socket (an engine on this host).
+        url: ``https://host:port`` of an engine on another host (TLS; plain ``http`` only on a
+            loopback address). Exactly one of ``socket`` and ``url``.
+        max_concurrency: requests the gateway sends this engine at once (its slots).
+        ready_file: the launcher's warm-up marker of this engine (empty: none).
+        launcher_status_file: the launcher's status JSON of this engine (empty: none).
+    """
+
+    name: str = DEFAULT_ENGINE
+    socket: str = ""
+    url: str = ""
+    max_concurrency: int = 1
+    ready_file: str = ""
+    launcher_status_file: str = ""
+
+    @property
+    def address(self) -> str:
+        """The socket path or the URL: where the engine is reached (logs, messages)."""
+        return self.socket or self.url
 
 
 @dataclass(frozen=True)
@@ -368,6 +410,29 @@ class Settings:
         default_factory=lambda: MappingProxyType({DEFAULT_TENANT: TenantSettings()})
     )
     source: str | None = None
+    engines: tuple[EngineSpec, ...] = ()
+
+    @property
+    def engine_specs(self) -> tuple[EngineSpec, ...]:
+        """The engines behind the gateway, in the config's order: the ``[[engines]]`` tables,
+        or one engine named ``default`` from ``[engine]`` when there are none."""
+        if self.engines:
+            return self.engines
+        engine = self.engine
+        return (
+            EngineSpec(
+                name=DEFAULT_ENGINE,
+                socket=engine.socket,
+                max_concurrency=engine.max_concurrency,
+                ready_file=engine.ready_file,
+                launcher_status_file=engine.launcher_status_file,
+            ),
+        )
+
+    @property
+    def total_slots(self) -> int:
+        """Requests in flight at all engines together (the sum of their ``max_concurrency``)."""
+        return sum(spec.max_concurrency for spec in self.engine_specs)
 
     def tenant(self, name: str) -> TenantSettings:
         """The settings for tenant ``name``: its own table, else ``default``'s under its own name."""
@@ -414,11 +479,11 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
     """
     sections: dict[str, Any] = {}
     for name, table in data.items():
-        if name == "tenants":
+        if name in ("tenants", "engines"):
             continue
         cls = _SECTIONS.get(name)
         if cls is None:
-            known = ", ".join([*sorted(_SECTIONS), "tenants"])
+            known = ", ".join([*sorted(_SECTIONS), "engines", "tenants"])
             raise ConfigError(f"unknown section [{name}] (known: {known})")
         sections[name] = build_table(cls, table, name)
 
@@ -438,7 +503,10 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
         base = dataclasses.replace(default, name=tname)
         tenants[tname] = build_table(TenantSettings, table, f"tenants.{tname}", base=base)
 
-    settings = Settings(**sections, tenants=MappingProxyType(tenants), source=source)
+    engines = parse_engines(data.get("engines"), data.get("engine", {}))
+    settings = Settings(
+        **sections, tenants=MappingProxyType(tenants), source=source, engines=engines
+    )
     server, metrics = settings.server, settings.metrics
     if (
         metrics.enabled
@@ -457,6 +525,88 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
         if bool(section.tls_cert_file) != bool(section.tls_key_file):
             raise ConfigError(f"{name}.tls_cert_file and {name}.tls_key_file must be set together")
     return settings
+
+
+def parse_engines(raw: Any, engine_table: Any) -> tuple[EngineSpec, ...]:
+    """The ``[[engines]]`` tables, checked as a topology (empty when there are none).
+
+    Raises:
+        ConfigError: not an array of tables; a bad or repeated name; neither or both of
+            ``socket`` and ``url``; a socket or URL listed twice; a URL that is not ``https``
+            off a loopback address, or has a path, query or credentials; a per-engine key
+            (`PER_ENGINE_KEYS`) also set in ``[engine]``.
+    """
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw or not all(isinstance(t, dict) for t in raw):
+        raise ConfigError(f"engines: expected one or more [[engines]] tables, got {raw!r}")
+    if isinstance(engine_table, dict):
+        for key in PER_ENGINE_KEYS:
+            if key in engine_table:
+                raise ConfigError(
+                    f"engine.{key} is set while [[engines]] tables are listed: set {key} in "
+                    "each [[engines]] table instead"
+                )
+    specs: list[EngineSpec] = []
+    names: dict[str, int] = {}
+    addresses: dict[str, str] = {}
+    for index, table in enumerate(raw):
+        where = f"engines[{index}]"
+        name = table.get("name")
+        if not isinstance(name, str) or not ENGINE_NAME_RE.match(name):
+            raise ConfigError(
+                f"{where}.name = {name!r}: each [[engines]] table needs a name of lower-case "
+                "letters, digits, '_' and '-' (at most 32, starting with a letter or digit)"
+            )
+        if name in names:
+            raise ConfigError(
+                f"{where}.name = {name!r}: engine listed twice (also engines[{names[name]}])"
+            )
+        names[name] = index
+        rest = {k: v for k, v in table.items() if k != "name"}
+        spec: EngineSpec = build_table(EngineSpec, rest, f"engines.{name}")
+        spec = dataclasses.replace(spec, name=name)
+        if bool(spec.socket) == bool(spec.url):
+            raise ConfigError(
+                f"engines.{name}: set exactly one of socket (an engine on this host) and url "
+                "(an engine on another host, over TLS)"
+            )
+        address = _check_engine_url(name, spec.url) if spec.url else os.path.normpath(spec.socket)
+        if address in addresses:
+            key = "url" if spec.url else "socket"
+            raise ConfigError(
+                f"engines.{name}.{key} = {spec.address!r}: the same engine as "
+                f"engines.{addresses[address]} (an engine listed twice)"
+            )
+        addresses[address] = name
+        specs.append(spec)
+    return tuple(specs)
+
+
+def _check_engine_url(name: str, url: str) -> str:
+    """The canonical ``scheme://host:port`` of an engine URL; raises `ConfigError` if unfit."""
+    from urllib.parse import urlsplit
+
+    key = f"engines.{name}.url = {url!r}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{key}: not a URL ({exc})") from None
+    host = parts.hostname or ""
+    if parts.scheme not in ("https", "http") or not host:
+        raise ConfigError(f"{key}: expected https://host:port")
+    if parts.username or parts.password:
+        raise ConfigError(f"{key}: no credentials in the URL")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"{key}: no path or query (the gateway chooses the engine's paths)")
+    if parts.scheme == "http" and not is_loopback(host):
+        raise ConfigError(
+            f"{key}: an engine on another host is reached over TLS only (https://); plain http "
+            "is accepted on a loopback address"
+        )
+    default = 443 if parts.scheme == "https" else 80
+    return f"{parts.scheme}://{host.lower()}:{port or default}"
 
 
 def is_loopback(host: str) -> bool:

@@ -45,6 +45,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "engine.drift_check_interval_s": (0.1, 86_400),
     "engine.max_answer_bytes": (65_536, 1 << 34),
     "engine.max_event_bytes": (65_536, 1 << 32),
+    "engine.affinity_load_factor": (1, 1000),
+    "engines.max_concurrency": (1, 4096),
     "responses.store_max_items": (1, 10_000_000),
     "responses.store_max_bytes": (1024, 1 << 40),
     "responses.store_ttl_s": (1, 31_536_000),
@@ -129,7 +131,11 @@ def build_table(cls: type, table: Any, where: str, base: Any = None) -> Any:
             value = float(cast(float, value))
             if not math.isfinite(value):
                 raise ConfigError(f"{dotted} = {value!r}: must be finite")
-        range_key = f"tenant.{key}" if where.startswith("tenants.") else dotted
+        range_key = dotted
+        if where.startswith("tenants."):
+            range_key = f"tenant.{key}"
+        elif where.startswith("engines."):
+            range_key = f"engines.{key}"
         bounds = RANGES.get(range_key)
         if bounds is not None and not bounds[0] <= value <= bounds[1]:
             raise ConfigError(f"{dotted} = {value!r}: must be between {bounds[0]} and {bounds[1]}")

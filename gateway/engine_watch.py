@@ -23,7 +23,10 @@ events = structlog.get_logger("gateway")
 
 
 async def poll_health(
-    upstream: Upstream, state: EngineState, settings: Callable[[], EngineSettings]
+    upstream: Upstream,
+    state: EngineState,
+    settings: Callable[[], EngineSettings],
+    ready_file: Callable[[], str] | None = None,
 ) -> None:
     """Probe the engine's /health every ``engine.health_interval_s`` seconds, forever.
 
@@ -34,7 +37,8 @@ async def poll_health(
     first failed probe, and at least two of them: a single slow probe never does. Until then
     each failure is logged as ``engine_probe_failed`` and the state is kept. Each probe waits
     ``max(1, engine.health_interval_s)`` seconds. ``settings`` returns the live ``[engine]``
-    table (a reload changes the interval and the threshold).
+    table (a reload changes the interval and the threshold); ``ready_file`` the engine's own
+    warm-up marker (one of several engines), else ``engine.ready_file``.
     """
     failing_since: float | None = None
     failures = 0
@@ -42,7 +46,8 @@ async def poll_health(
         engine = settings()
         started = time.monotonic()
         status, error = await upstream.health(timeout=max(1.0, engine.health_interval_s))
-        if status == "ready" and engine.ready_file and not os.path.exists(engine.ready_file):
+        marker = ready_file() if ready_file is not None else engine.ready_file
+        if status == "ready" and marker and not os.path.exists(marker):
             status = "warming"
         if status != "down" or proves_down(error) or state.status not in ("ready", "warming"):
             failing_since, failures = None, 0

@@ -176,8 +176,15 @@ class BadRequest(ClientError):
 class InvalidApiKey(ClientError):
     """401: missing, malformed, unknown, expired or revoked credential.
 
-    The message is the same for every cause so that probing learns nothing; ``reason`` (bounded:
-    missing, malformed, unknown, expired, revoked, bad_signature, ...) goes to logs and metrics.
+    The message names the header the client sent its credential in (``sent_in``:
+    ``Authorization`` or the dialect's key header, Anthropic's ``x-api-key``) and otherwise is
+    the same for every cause, so that probing learns nothing; without a credential it lists the
+    headers this API takes (``key_header``). ``reason`` (bounded: missing, malformed, unknown,
+    expired, revoked, bad_signature, ...) goes to logs and metrics.
+
+    ``x-should-retry: false``: the Stainless SDKs (``openai``, ``anthropic``) and Claude Code obey
+    it before their own rules, and Claude Code otherwise retries a 401 up to ten times with
+    backoff (minutes) before it reports the key as wrong.
     """
 
     status = 401
@@ -185,12 +192,31 @@ class InvalidApiKey(ClientError):
     code = "invalid_api_key"
     reason = "unknown"
 
-    def __init__(self, reason: str = "unknown") -> None:
+    def __init__(
+        self, reason: str = "unknown", *, sent_in: str | None = None, key_header: str | None = None
+    ) -> None:
+        bearer = "'Authorization: Bearer <key>'"
+        if sent_in is not None and sent_in.lower() != "authorization":
+            message = f"Incorrect API key provided in '{sent_in}'. Send a valid key as '{sent_in}: <key>'."
+        elif sent_in is not None:
+            message = f"Incorrect API key provided. Send a valid key as {bearer}."
+        elif key_header is not None:
+            message = f"No API key provided. Send one as '{key_header}: <key>' or as {bearer}."
+        else:
+            message = f"No API key provided. Send one as {bearer}."
         super().__init__(
-            "Incorrect API key provided. Send a valid key as 'Authorization: Bearer <key>'.",
+            message,
             reason=reason,
-            headers={"WWW-Authenticate": 'Bearer realm="qwen38-gateway"'},
+            headers={
+                "WWW-Authenticate": 'Bearer realm="qwen38-gateway"',
+                "x-should-retry": "false",
+            },
         )
+        self.key_header = key_header
+
+    def sent_in(self, header: str | None, key_header: str | None) -> InvalidApiKey:
+        """The same refusal, its message naming ``header`` (None: no credential was sent)."""
+        return InvalidApiKey(self.reason, sent_in=header, key_header=key_header)
 
 
 class PermissionDenied(ClientError):

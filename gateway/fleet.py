@@ -22,7 +22,6 @@ found held by another gateway is logged (``engine_lease_lost``) and shows as
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import socket
 from collections.abc import Sequence
@@ -75,15 +74,12 @@ def configured_engines(settings: Settings) -> list[tuple[str, str, str]]:
     ``default`` on their own socket run two engines); an engine reached by URL is the URL.
     """
     host = socket.gethostname()
-    engines = getattr(settings, "engines", None) or ()
-    if not engines:
+    if not settings.engines:
         return [("default", "engine.socket", f"{host}:{settings.engine.socket}")]
-    out: list[tuple[str, str, str]] = []
-    for i, engine in enumerate(engines):
-        url = str(getattr(engine, "url", "") or "")
-        where = url or f"{host}:{getattr(engine, 'socket', '')}"
-        out.append((str(engine.name), f"engines[{i}].name", where))
-    return out
+    return [
+        (spec.name, f"engines[{i}].name", spec.url or f"{host}:{spec.socket}")
+        for i, spec in enumerate(settings.engine_specs)
+    ]
 
 
 def connect(settings: Settings) -> aioredis.Redis:
@@ -218,9 +214,9 @@ class EngineLeases:
     async def release(self, names: Sequence[str] | None = None) -> None:
         """Stop renewing and delete the leases still this gateway's; never raises."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.1)
             self._task = None
         for name in list(names if names is not None else self.held):
             try:

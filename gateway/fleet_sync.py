@@ -101,9 +101,10 @@ class FleetSync:
     async def stop(self) -> None:
         """Stop syncing after a last push of what waits (when Redis answers)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Repeated: asyncio.wait_for may swallow one cancellation on Python 3.11 (gh-86296).
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.1)
             self._task = None
         await self.sync()
 

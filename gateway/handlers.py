@@ -14,6 +14,7 @@ from gateway.state import (
     CONTEXT,
     DRAIN,
     ENGINE_STATE,
+    ENGINES,
     LIMITER,
     STARTED,
     Caller,
@@ -32,7 +33,9 @@ async def ready(request: web.Request) -> web.Response:
     Body: ``ready`` (bool), ``engine`` (status), ``engine_state_for_s`` (seconds in that
     status), ``keys_loaded`` (API keys), ``keys_version`` (`KeySet.version`), ``queue_depth``
     and ``in_flight`` (requests), ``draining`` (bool: SIGTERM received, the load balancer
-    should send new clients elsewhere).
+    should send new clients elsewhere), ``engines``: per engine name its ``status``,
+    ``state_for_s``, ``slots`` and ``in_flight`` (`gateway.engines.Engines.detail`); the engine
+    is ready while any engine is.
     """
     app = request.app
     state = app[ENGINE_STATE]
@@ -49,6 +52,7 @@ async def ready(request: web.Request) -> web.Response:
         "queue_depth": app[ADMISSION].depth,
         "in_flight": app[ADMISSION].in_flight,
         "draining": draining,
+        "engines": app[ENGINES].detail(app[CLOCK]()),
     }
     return web.json_response(body, status=200 if is_ready else 503)
 

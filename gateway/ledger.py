@@ -32,7 +32,9 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+"""1: the first table; 2: ``record_id`` (the outbox's key); 3: ``engine``. Older files are
+completed in place at the first open (`connect`)."""
 _BUSY_TIMEOUT_MS = 5000
 _PRUNE_BATCH = 10_000
 _RETRY_MAX_S = 5.0
@@ -56,7 +58,8 @@ CREATE TABLE IF NOT EXISTS usage (
     ttft_s REAL,
     duration_s REAL NOT NULL,
     request_id TEXT NOT NULL,
-    record_id TEXT
+    record_id TEXT,
+    engine TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 CREATE INDEX IF NOT EXISTS usage_tenant_day ON usage (tenant, day);
@@ -102,6 +105,8 @@ class UsageRecord:
         request_id: the ``x-request-id`` answered to the client.
         record_id: the record's own id (`new_record_id`), the key that ships it to PostgreSQL
             exactly once (a client may send the same ``x-request-id`` twice).
+        engine: the name of the engine the request was sent to (``[[engines]]`` ``name``, or
+            ``default``), None when it never reached one.
     """
 
     ts: float
@@ -119,6 +124,7 @@ class UsageRecord:
     duration_s: float
     request_id: str
     record_id: str = field(default_factory=new_record_id)
+    engine: str | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -164,6 +170,8 @@ def connect(path: str | os.PathLike[str]) -> sqlite3.Connection:
             for statement in _MIGRATE:
                 conn.execute(statement)
         conn.execute(_RECORD_ID_INDEX)
+        if "engine" not in have:  # an older file: its records name no engine
+            conn.execute("ALTER TABLE usage ADD COLUMN engine TEXT")
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.commit()
     except BaseException:

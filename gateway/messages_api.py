@@ -27,7 +27,7 @@ from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
 from gateway.middleware import credential
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
-from gateway.state import CONTEXT, ENGINE_STATE, LIMITER, UPSTREAM
+from gateway.state import CONTEXT, ENGINE_STATE, ENGINES, LIMITER
 from gateway.translate.anthropic_errors import (
     anthropic_error,
     anthropic_error_bytes,
@@ -155,7 +155,7 @@ async def count_tokens(request: web.Request) -> web.Response:
             client, max_model_len=settings.engine.max_model_len, count_only=True
         )
         model = translated.chat.get("model")
-        if not isinstance(model, str) or not settings.model.accepts(model):
+        if model is not None and (not isinstance(model, str) or not settings.model.accepts(model)):
             raise ModelNotFound(model)
         thinking = resolve_thinking(translated.chat, settings, caller.tenant)
     state = app[ENGINE_STATE]
@@ -172,8 +172,10 @@ async def count_tokens(request: web.Request) -> web.Response:
         }
         if translated.chat.get("tools"):
             body["tools"] = translated.chat["tools"]
-        answer = await app[UPSTREAM].post(
-            "/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex
+        answer = (
+            await app[ENGINES]
+            .any_ready()
+            .post("/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex)
         )
         if answer.status != 200:
             raise await answer.error()

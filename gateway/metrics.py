@@ -100,6 +100,37 @@ class QuotaGauges(Collector):
         yield used
 
 
+# (engine name, slots, requests in flight), computed at scrape time.
+SlotSample = tuple[str, int, int]
+
+
+class EngineSlotGauges(Collector):
+    """``gateway_engine_slots`` and ``gateway_engine_in_flight`` by engine, read at scrape time
+    from ``source`` (the admission queue's own counts, `gateway.placement.EngineSlots`). The
+    ``engine`` label takes the configured engine names only."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[SlotSample]] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """The two families (declared even before the queue exists)."""
+        slots = GaugeMetricFamily(
+            "gateway_engine_slots",
+            "Requests this engine takes at once (its max_concurrency).",
+            labels=("engine",),
+        )
+        busy = GaugeMetricFamily(
+            "gateway_engine_in_flight",
+            "Requests holding a slot of this engine now.",
+            labels=("engine",),
+        )
+        for name, capacity, in_flight in self.source() if self.source is not None else ():
+            slots.add_metric((name,), capacity)
+            busy.add_metric((name,), in_flight)
+        yield slots
+        yield busy
+
+
 class Metrics:
     """All gateway metric families, registered on one registry.
 
@@ -215,6 +246,24 @@ class Metrics:
             "1 when the engine is healthy and warm (model routes are served), else 0.",
             registry=registry,
         )
+        self.engine_available = Gauge(
+            "gateway_engine_status",
+            "1 when this engine is healthy and warm (it takes requests), else 0.",
+            ["engine"],
+            registry=registry,
+        )
+        self.engine_requests = Counter(
+            "gateway_engine_requests",
+            "Requests granted a slot of this engine.",
+            ["engine"],
+            registry=registry,
+        )
+        self.engine_failovers = Counter(
+            "gateway_engine_failovers",
+            "Requests moved off this engine after it failed before answering a byte.",
+            ["engine"],
+            registry=registry,
+        )
         self.keys_loaded = Gauge(
             "gateway_keys_loaded",
             "API keys currently loaded from the keys file.",
@@ -281,6 +330,8 @@ class Metrics:
         )
         self.quota = QuotaGauges()
         registry.register(self.quota)
+        self.engine_slots = EngineSlotGauges()
+        registry.register(self.engine_slots)
 
     # The usage ledger's writer thread reports through these (gateway.ledger.LedgerMetrics).
     def ledger_written(self, count: int) -> None:
@@ -312,3 +363,10 @@ class Metrics:
             self.config_reloads.labels(result)
         for kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(kind)
+
+    def prime_engines(self, names: Iterable[str]) -> None:
+        """Create the per-engine children (``engine`` label: the configured names)."""
+        for name in names:
+            self.engine_available.labels(name)
+            self.engine_requests.labels(name)
+            self.engine_failovers.labels(name)

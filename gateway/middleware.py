@@ -20,7 +20,7 @@ import structlog
 from aiohttp import HttpVersion11, web
 
 from gateway.dialects import CHAT, Dialect
-from gateway.errors import GatewayError, HttpError, MethodNotAllowed, NotFound
+from gateway.errors import GatewayError, HttpError, InvalidApiKey, MethodNotAllowed, NotFound
 from gateway.http_errors import error_for
 from gateway.metrics import ROUTES
 from gateway.secret_scan import looks_like_credential
@@ -281,6 +281,17 @@ def credential(request: web.Request, dialect: Dialect) -> str | None:
     return authorization
 
 
+def credential_header(request: web.Request, dialect: Dialect) -> str | None:
+    """The header `credential` takes the credential from (``Authorization`` or the dialect's
+    API-key header), or None when the request has neither."""
+    if "Authorization" in request.headers:
+        return "Authorization"
+    key_header = dialect.api_key_header
+    if key_header is not None and key_header in request.headers:
+        return key_header
+    return None
+
+
 async def expect_continue(request: web.Request) -> None:
     """aiohttp ``expect_handler`` of the POST routes: ``100 Continue`` only for a request that
     will be accepted (RFC 9110 section 10.1.1).
@@ -325,6 +336,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     live = context.live
     try:
         principal = live.auth.authenticate(credential(request, context.dialect))
+    except InvalidApiKey as exc:
+        request.app[METRICS].auth_failures.labels(exc.reason).inc()
+        key_header = context.dialect.api_key_header
+        raise exc.sent_in(credential_header(request, context.dialect), key_header) from None
     except GatewayError as exc:
         request.app[METRICS].auth_failures.labels(exc.reason).inc()
         raise

@@ -25,6 +25,7 @@ import structlog
 from aiohttp import web
 
 from gateway.accounting import Accounting
+from gateway.affinity import Affinity, session_key
 from gateway.body import client_body, read_body, unplannable_as_400
 from gateway.budget import reserve_budgets
 from gateway.dialects import Dialect, PlanInput
@@ -48,6 +49,7 @@ from gateway.state import (
     CONTEXT,
     DRAIN,
     ENGINE_STATE,
+    ENGINES,
     METRICS,
     QUARANTINE,
     UPSTREAM,
@@ -95,6 +97,9 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
     body = client_body(raw, credential(request, call.dialect))
     call.background = background_request(request.headers, body)
+    session = session_key(request.headers, body)
+    if session is not None and call.live.settings.engine.affinity:
+        call.session = Affinity.digest(call.caller.tenant.name, session)
     given = PlanInput(
         body=body,
         settings=live.settings,
@@ -138,8 +143,9 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     metrics.in_flight.labels(label).inc()
     try:
         tenant = call.caller.tenant
+        home = app[ENGINES].affinity.home(call.session)
         ticket = app[ADMISSION].enqueue(
-            tenant.name, tenant.weight, plan.reserve_tokens, label=label, background=call.background
+            tenant.name, tenant.weight, plan.reserve_tokens, label=label, home=home, background=call.background
         )
         call.ticket = ticket
         try:
@@ -183,6 +189,7 @@ def record_call(accounting: Accounting, context: RequestContext) -> None:
         ttft_s=call.ttft_s,
         duration_s=context.duration_s or 0.0,
         request_id=context.request_id,
+        engine=call.engine,
     )
 
 
@@ -211,6 +218,9 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
             remaining = max(0.0, engine.queue_timeout_s - ticket.waited_s)
             if not await state.wait_ready(remaining):
                 raise state.unavailable()
+        if not app[ENGINES].state(ticket.engine).ready:
+            # Granted while no engine was ready; another one came back first.
+            await _move(app, call, ticket.engine)
     except GatewayError as exc:
         if stream is None or stream.response is None:
             raise
@@ -226,11 +236,28 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
     return await call_engine(request, call, stream, queued_budget, heartbeat)
 
 
-def _hang_kill(call: ModelCall) -> bool:
+def _hang_kill(call: ModelCall, engine: str) -> bool:
     """The engine died because the launcher killed it for a hang (its status file says so):
-    sending the request again would hang the engine for another ``stall_after_s``."""
-    path = call.settings.engine.launcher_status_file
+    sending the request again would hang an engine for another ``stall_after_s``."""
+    spec = next((s for s in call.settings.engine_specs if s.name == engine), None)
+    path = spec.launcher_status_file if spec is not None else ""
     return bool(path) and killed_for_hang(path, time.time())
+
+
+async def _move(app: web.Application, call: ModelCall, failed: str | None) -> bool:
+    """Give the request's slot on engine ``failed`` back and wait, first in its tenant's line,
+    for a slot on another engine (`Ticket.requeue`); True once granted elsewhere.
+
+    Raises:
+        RateLimited, EngineUnavailable: no slot within ``engine.queue_timeout_s``.
+    """
+    ticket = call.ticket
+    assert ticket is not None
+    if failed is not None:
+        app[METRICS].engine_failovers.labels(failed).inc()
+    ticket.requeue(avoid=failed)
+    log.warning("engine_failover", engine=failed, request_id=call.context.request_id)
+    return await ticket.wait(None)
 
 
 async def call_engine(
@@ -317,10 +344,10 @@ async def _call_engine(
     queued_budget: float,
     heartbeat: Heartbeat | None,
 ) -> web.StreamResponse:
-    assert call.plan is not None
+    assert call.plan is not None and call.ticket is not None
     app = request.app
-    upstream = app[UPSTREAM]
-    state = app[ENGINE_STATE]
+    fleet = app[ENGINES]
+    several = len(fleet) > 1
     clock = app[CLOCK]
     quarantine = app[QUARANTINE]
     fingerprint = call.fingerprint
@@ -329,13 +356,20 @@ async def _call_engine(
     token: int | None = None
     while True:
         posting = False
+        name = call.ticket.engine
+        upstream = fleet.upstream(name)
+        state = fleet.state(name)
         try:
             if fingerprint is not None:
                 quarantine.check(fingerprint, call.caller.label)  # quarantined while waiting
             await take_baseline(request, call)
             if fingerprint is not None:
-                token = quarantine.started(fingerprint, call.context.request_id)
+                token = quarantine.started(fingerprint, call.context.request_id, name or "default")
             posting = True
+            call.engine = name
+            if name is not None:
+                app[METRICS].engine_requests.labels(name).inc()
+                fleet.affinity.served(call.session, name)
             answer = await upstream.post(
                 call.dialect.engine_path,
                 call.plan.body,
@@ -357,10 +391,19 @@ async def _call_engine(
             state.set("down", "connection dropped" if sent else "connection refused")
             error: GatewayError = exc
             if sent:
-                if not retried and fingerprint is not None and not _hang_kill(call):
+                if not retried and fingerprint is not None and not _hang_kill(call, name or ""):
                     retried = True
                     wait = max(deadline - clock(), call.settings.engine.queue_timeout_s)
-                    if await state.wait_ready(wait):
+                    if several:
+                        # Retried once, on another engine (the quarantine counts deaths on each).
+                        try:
+                            if await _move(app, call, name):
+                                app[METRICS].engine_retries.inc()
+                                log.warning("engine_retry", fingerprint=fingerprint)
+                                continue
+                        except GatewayError as refused:
+                            error = refused
+                    elif await state.wait_ready(wait):
                         app[METRICS].engine_retries.inc()
                         log.warning("engine_retry", fingerprint=fingerprint)
                         continue
@@ -369,6 +412,13 @@ async def _call_engine(
                         quarantine.check(fingerprint, call.caller.label)
                     except RequestQuarantined as refused:
                         error = refused
+            elif several:
+                # Never sent: it goes to another engine, ahead of its tenant's later requests.
+                try:
+                    if await _move(app, call, name):
+                        continue
+                except GatewayError as refused:
+                    error = refused
             else:
                 remaining = deadline - clock()
                 if remaining > 0 and await state.wait_ready(remaining):

@@ -184,6 +184,18 @@ def prune(records: dict[str, Record], now: float, window_s: float) -> None:
             del records[fp]
 
 
+class _Outage:
+    """One engine's death bookkeeping: down (between its death and its return), requests whose
+    connection to it failed (time, fingerprint, request id), fingerprints counted this outage."""
+
+    __slots__ = ("counted", "down", "dropped")
+
+    def __init__(self) -> None:
+        self.down = False
+        self.dropped: list[tuple[float, str, str]] = []
+        self.counted: set[str] = set()
+
+
 class Quarantine:
     """The gateway's view of the quarantine: suspects at the engine, deaths, refusals.
 
@@ -210,18 +222,24 @@ class Quarantine:
         self._clock = clock
         self._health_interval_s = health_interval_s
         self._unhealthy_after_s = unhealthy_after_s
-        self._down = False  # between engine_died and engine_ready
+        # Per engine: between its engine_died and engine_ready, its dropped suspects, and the
+        # fingerprints already given a death in its current outage.
+        self._outages: dict[str, _Outage] = {}
         self._file = StateFile(settings.state_file) if settings.state_file else None
         self._records: dict[str, Record] = {}
         self._mtime = -1.0
-        self._running: dict[int, tuple[str, str]] = {}
+        self._running: dict[int, tuple[str, str, str]] = {}
         self._tokens = iter(range(1 << 62))
-        self._dropped: list[tuple[float, str, str]] = []
-        self._counted: set[str] = set()
         # Set by `gateway.fleet_sync` when the fleet shares the quarantine in Redis: deaths go
         # there (this view is updated at once and replaced by the shared one on each sync).
         self.shared_push: Callable[[list[str], float], None] | None = None
         self.refresh()
+
+    def _outage(self, engine: str) -> _Outage:
+        found = self._outages.get(engine)
+        if found is None:
+            found = self._outages[engine] = _Outage()
+        return found
 
     @property
     def enabled(self) -> bool:
@@ -251,10 +269,14 @@ class Quarantine:
         log.warning("request_quarantined", fingerprint=fp, until=round(record.until))
         raise RequestQuarantined(fp, record.until - now, self.settings.deaths)
 
-    def started(self, fp: str, request_id: str) -> int:
-        """The request ``request_id`` with ``fp`` is being sent to the engine; returns its token."""
+    def started(self, fp: str, request_id: str, engine: str = "default") -> int:
+        """The request ``request_id`` with ``fp`` is being sent to ``engine``; returns its token.
+
+        Deaths are per engine (each engine's outage counts once per request), and fleet-wide in
+        effect: the records are shared, so a request that kills one engine and then, retried,
+        another has its two deaths."""
         token = next(self._tokens)
-        self._running[token] = (fp, request_id)
+        self._running[token] = (fp, request_id, engine)
         return token
 
     def finished(self, token: int, *, dropped: bool) -> None:
@@ -262,14 +284,18 @@ class Quarantine:
         (the engine may have died under it). A failure while the engine is down is a death at
         once; one while it is up stays a suspect for the grace time (`engine_died`)."""
         entry = self._running.pop(token, None)
-        if entry is None or not dropped or entry[0] in self._counted:
+        if entry is None or not dropped:
             return
-        if self._down:
-            self._count({entry[0]: entry[1]}, self._clock())
+        fp, request_id, engine = entry
+        outage = self._outage(engine)
+        if fp in outage.counted:
+            return
+        if outage.down:
+            self._count({fp: request_id}, self._clock(), outage)
         else:
-            self._dropped.append((self._clock(), *entry))
+            outage.dropped.append((self._clock(), fp, request_id))
 
-    def engine_died(self) -> list[str]:
+    def engine_died(self, engine: str = "default") -> list[str]:
         """The engine proved down: every request whose engine connection failed within the
         grace time before gets a death (those still at it get theirs in `finished` if their
         connection fails before `engine_ready`).
@@ -278,15 +304,16 @@ class Quarantine:
         """
         now = self._clock()
         grace = DROP_GRACE_S + 2 * self._health_interval_s() + self._unhealthy_after_s()
-        suspects = {fp: rid for at, fp, rid in self._dropped if now - at <= grace}
-        self._dropped.clear()
-        self._counted = set()
-        self._down = True
-        return self._count(suspects, now)
+        outage = self._outage(engine)
+        suspects = {fp: rid for at, fp, rid in outage.dropped if now - at <= grace}
+        outage.dropped.clear()
+        outage.counted = set()
+        outage.down = True
+        return self._count(suspects, now, outage)
 
-    def _count(self, suspects: dict[str, str], now: float) -> list[str]:
+    def _count(self, suspects: dict[str, str], now: float, outage: _Outage) -> list[str]:
         """Give each fingerprint of ``suspects`` (fingerprint: request id) one death."""
-        self._counted.update(suspects)
+        outage.counted.update(suspects)
         if not suspects or not self.enabled:
             return []
         if self.shared_push is not None:
@@ -304,11 +331,12 @@ class Quarantine:
             )
         return added
 
-    def engine_ready(self) -> None:
+    def engine_ready(self, engine: str = "default") -> None:
         """The engine is back: the next death is a new one."""
-        self._down = False
-        self._counted = set()
-        self._dropped.clear()
+        outage = self._outage(engine)
+        outage.down = False
+        outage.counted = set()
+        outage.dropped.clear()
 
     def _add_deaths(self, records: dict[str, Record], suspects: set[str], now: float) -> list[str]:
         settings = self.settings

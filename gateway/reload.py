@@ -228,11 +228,16 @@ class Reloader:
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="gateway-reload")
 
     async def stop(self) -> None:
-        """Stop watching; a reload in progress is abandoned and nothing is swapped."""
+        """Stop watching; a reload in progress is abandoned and nothing is swapped.
+
+        The cancellation is repeated until the task ends: on Python 3.11 ``asyncio.wait_for``
+        can swallow a cancellation that lands as its inner wait completes (CPython gh-86296),
+        and the watcher would then poll on while ``stop`` waited for it forever.
+        """
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.1)
             self._task = None
 
     def trigger(self) -> None:

@@ -355,19 +355,24 @@ class SseRelay:
     def _take_running_usage(self, payload: bytes) -> bytes:
         """Record the running ``usage`` of one chunk; the chunk without it unless the client
         asked for it (the bytes vLLM sends without ``continuous_usage_stats``)."""
-        span = usage_span(payload)
-        if span is None:
-            return payload
-        start, end = span
-        try:
-            usage = json.loads(payload[start + 9 : end])  # after ',"usage":'
-        except ValueError:
-            usage = None
-        if isinstance(usage, dict):
+        flat = _flat_usage(payload)
+        seen: Usage | None
+        if flat is not None:
+            start, end, seen = flat
+        else:
+            span = usage_span(payload)
+            if span is None:
+                return payload
+            start, end = span
+            try:
+                usage = json.loads(payload[start + 9 : end])  # after ',"usage":'
+            except ValueError:
+                usage = None
+            seen = _usage(usage) if isinstance(usage, dict) else None
+        if seen is not None:
             running = self.state.running
             if running is None:
                 running = self.state.running = RunningUsage()
-            seen = _usage(usage)
             running.prompt_tokens = max(running.prompt_tokens, seen.prompt_tokens)
             index = _choice_index(payload) if self._n > 1 else 0
             running.choices[index] = (seen.completion_tokens, seen.reasoning_tokens)
@@ -391,6 +396,34 @@ def _usage(usage: dict[str, Any]) -> Usage:
 
 
 _USAGE_KEY = b',"usage":{'
+
+
+def _flat_usage(payload: bytes) -> tuple[int, int, Usage] | None:
+    """The running usage of a chunk when it is a flat object of counts (vLLM's form:
+    ``{"prompt_tokens":9,"total_tokens":12,"completion_tokens":3}``): its (start, end) byte
+    offsets and counts, read with a few byte operations instead of a scan and a JSON decode per
+    chunk; None for any other form (`usage_span` then reads it)."""
+    start = payload.find(_USAGE_KEY)
+    if start < 0:
+        return None
+    end = payload.find(b"}", start)
+    inner = payload[start + 10 : end]
+    if end < 0 or b"{" in inner or b"[" in inner or b"\\" in inner:
+        return None
+    prompt = completion = 0
+    for pair in inner.split(b","):
+        key, _, value = pair.partition(b":")
+        if not value.isdigit():
+            if value != b"null":
+                return None
+            continue
+        if key == b'"prompt_tokens"':
+            prompt = int(value)
+        elif key == b'"completion_tokens"':
+            completion = int(value)
+    return start, end + 1, Usage(prompt, completion)
+
+
 _CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
 
 

@@ -25,6 +25,7 @@ from gateway.counters import Baseline, Generated, IdleCounters
 from gateway.credentials import KeySet
 from gateway.dialects import CHAT, Dialect
 from gateway.drain import Drain
+from gateway.engines import Engines
 from gateway.metrics import Metrics
 from gateway.quarantine import Quarantine
 from gateway.quota import QuotaReservation
@@ -289,6 +290,8 @@ class ModelCall:
             while the quarantine is off.
         baseline: the engine's counters read just before the request was sent, taken only
             while it holds the engine's only slot (`gateway.counters`); None otherwise.
+        session: the request's session (`gateway.affinity.Affinity.digest`), or None.
+        engine: the name of the engine the request was last sent to, once sent.
         background: the request said it is background work (`gateway.waiting.background_request`).
     """
 
@@ -305,6 +308,8 @@ class ModelCall:
     fingerprint: str | None = None
     engine_request_id: str = ""
     baseline: Baseline | None = None
+    session: bytes | None = None
+    engine: str | None = None
     background: bool = False
 
     @property
@@ -324,6 +329,7 @@ LIVE = web.AppKey("live", LiveRef)
 METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM = web.AppKey("upstream", Upstream)
 ENGINE_STATE = web.AppKey("engine_state", EngineState)
+ENGINES = web.AppKey("engines", Engines)
 IDLE_COUNTERS = web.AppKey("idle_counters", IdleCounters)
 ANSWER_WORKER = web.AppKey("answer_worker", AnswerWorker)
 LIMITER = web.AppKey("limiter", RateLimiter)

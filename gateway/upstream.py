@@ -20,7 +20,7 @@ from typing import Any, Literal
 import aiohttp
 import structlog
 
-from gateway.config import EngineSettings
+from gateway.config import EngineSettings, EngineSpec
 from gateway.errors import (
     RETRY_AFTER_DOWN_S,
     RETRY_AFTER_STARTING_S,
@@ -63,23 +63,45 @@ def proves_down(reason: str | None) -> bool:
 
 
 class EngineState:
-    """The engine's health as the poller last saw it.
+    """The engine's health as the poller last saw it (one engine's, or the fleet's).
+
+    ``name``: the engine's name (its transitions are logged with it and set
+    ``gateway_engine_status{engine}``); None for the fleet's state, which sets
+    ``gateway_engine_up``/``gateway_engine_ready`` and with ``quiet`` logs nothing (its engines
+    log their own transitions).
 
     States: ``starting`` (never answered yet), ``warming`` (answers ``/health`` but the launcher
     has not finished the warm-up request: ``engine.ready_file`` configured and absent),
     ``ready``, ``down`` (answered before and now proved down: `poll_health` gives the rule).
     """
 
-    def __init__(self, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        name: str | None = None,
+        quiet: bool = False,
+    ) -> None:
         self.status: EngineStatus = "starting"
         self.since = clock()
+        self.name = name
+        self._quiet = quiet
         self._clock = clock
         self._metrics = metrics
         self._ready = asyncio.Event()
         # Called with (previous, new) status on every transition (the quarantine's deaths).
         self.listeners: list[Callable[[EngineStatus, EngineStatus], None]] = []
-        metrics.engine_up.set(0)
-        metrics.engine_ready.set(0)
+        self._gauges(0, 0)
+
+    def _gauges(self, up: int, ready: int) -> None:
+        """The fleet's (``name`` None: ``gateway_engine_up``/``_ready``) or one engine's
+        (``gateway_engine_status{engine}``) gauges."""
+        if self.name is None:
+            self._metrics.engine_up.set(up)
+            self._metrics.engine_ready.set(ready)
+        else:
+            self._metrics.engine_available.labels(self.name).set(ready)
 
     @property
     def ready(self) -> bool:
@@ -91,14 +113,17 @@ class EngineState:
         if status == self.status:
             return
         previous, self.status, self.since = self.status, status, self._clock()
-        self._metrics.engine_up.set(1 if status in ("ready", "warming") else 0)
-        self._metrics.engine_ready.set(1 if status == "ready" else 0)
+        self._gauges(1 if status in ("ready", "warming") else 0, 1 if status == "ready" else 0)
+        named = {"engine": self.name} if self.name is not None else {}
         if status == "ready":
             self._ready.set()
-            log.info("engine_up", previous=previous)
+            if not self._quiet:
+                log.info("engine_up", previous=previous, **named)
         else:
             self._ready.clear()
-            log.warning("engine_down" if status == "down" else f"engine_{status}", error=error)
+            event = "engine_down" if status == "down" else f"engine_{status}"
+            if not self._quiet:
+                log.warning(event, error=error, **named)
         for listener in self.listeners:
             listener(previous, status)
 
@@ -129,12 +154,23 @@ class Upstream:
     and ``read_timeout_s`` between two reads.
     """
 
-    def __init__(self, settings: EngineSettings, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: EngineSettings, metrics: Metrics, spec: EngineSpec | None = None
+    ) -> None:
         self.settings = settings
         self._metrics = metrics
-        connector = aiohttp.UnixConnector(
-            path=settings.socket, keepalive_timeout=settings.pool_idle_s, limit=0
-        )
+        self.name = spec.name if spec is not None else "default"
+        connector: aiohttp.BaseConnector
+        if spec is not None and spec.url:
+            # An engine on another host: TLS with the system's trust store and host-name check.
+            self.base = spec.url.rstrip("/")
+            connector = aiohttp.TCPConnector(keepalive_timeout=settings.pool_idle_s, limit=0)
+        else:
+            self.base = "http://engine"
+            socket = spec.socket if spec is not None else settings.socket
+            connector = aiohttp.UnixConnector(
+                path=socket, keepalive_timeout=settings.pool_idle_s, limit=0
+            )
         self.session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(
@@ -194,7 +230,7 @@ class Upstream:
             )
         try:
             response = await self.session.post(
-                f"http://engine{path}", data=body, headers=headers, compress=False, **options
+                f"{self.base}{path}", data=body, headers=headers, compress=False, **options
             )
         except _CONNECT_ERRORS as exc:
             raise self.failed(EngineUnreachable(), exc) from exc
@@ -234,7 +270,7 @@ class Upstream:
             return None
         try:
             async with self.session.post(
-                "http://engine/tokenize",
+                f"{self.base}/tokenize",
                 json=ask,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
@@ -257,7 +293,7 @@ class Upstream:
         """
         try:
             async with self.session.get(
-                "http://engine/health", timeout=aiohttp.ClientTimeout(total=timeout)
+                f"{self.base}/health", timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 await resp.read()
                 if resp.status == 200:
@@ -274,7 +310,7 @@ class Upstream:
         """The engine's Prometheus exposition text, or None when it did not answer 200 in time."""
         try:
             async with self.session.get(
-                "http://engine/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
+                f"{self.base}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 resp.raise_for_status()
                 return await resp.text()

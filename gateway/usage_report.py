@@ -203,11 +203,27 @@ def _report(args: argparse.Namespace) -> int:
     dsn = ""
     if not paths:
         try:
-            ledger = load_settings(args.config).ledger
+            settings = load_settings(args.config)
         except ConfigError as exc:
             print(f"qwen38-gateway: invalid configuration: {exc}", file=sys.stderr)
             return 1
+        ledger = settings.ledger
+        if settings.source is None:
+            # No config file at all: the built-in default path may be another installation's
+            # ledger (or none); never report from it silently.
+            print(
+                "qwen38-gateway usage report: no --ledger and no config file "
+                f"({args.config or 'the default config'} does not exist): name the ledger with "
+                "--ledger PATH or the gateway's config with --config PATH (the demo prints "
+                f"both); the built-in default would be {ledger.path}",
+                file=sys.stderr,
+            )
+            return 1
         paths, dsn = [ledger.path], ledger.dsn()
+        where = "PostgreSQL ([ledger] postgres_dsn)" if dsn else f"ledger {ledger.path}"
+        print(f"usage report: {where}, from {settings.source}", file=sys.stderr)
+    else:
+        print(f"usage report: ledger {', '.join(paths)}", file=sys.stderr)
     try:
         span = make_span(args.since, args.until, dt.datetime.now(dt.timezone.utc).date())
         if dsn:

@@ -41,10 +41,12 @@ def free_port() -> int:
 
 def to_toml(data: dict[str, Any], prefix: str = "") -> str:
     """Serialise nested dicts of scalars and lists as TOML tables (enough for our configs)."""
-    scalars, tables = [], []
+    scalars, tables, arrays = [], [], []
     for key, value in data.items():
         if isinstance(value, dict):
             tables.append((key, value))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            arrays.append((key, value))
         else:
             scalars.append(f"{key} = {json.dumps(value)}")
     out = []
@@ -54,6 +56,11 @@ def to_toml(data: dict[str, Any], prefix: str = "") -> str:
     out.append("")
     for key, value in tables:
         out.append(to_toml(value, f"{prefix}.{key}" if prefix else key))
+    for key, items in arrays:  # [[key]] arrays of tables of scalars (``engines``)
+        for item in items:
+            out.append(f"[[{key}]]")
+            out.extend(f"{k} = {json.dumps(v)}" for k, v in item.items())
+            out.append("")
     return "\n".join(out)
 
 
@@ -229,7 +236,10 @@ def start_gateway(
         },
     }
     for section, values in (config or {}).items():
-        if section == "tenants":
+        if section == "engines":  # several engines: their sockets are in their own tables
+            base["engines"] = values
+            del base["engine"]["socket"]
+        elif section == "tenants":
             for tenant, table in values.items():
                 base["tenants"].setdefault(tenant, {}).update(table)
         else:

@@ -39,6 +39,19 @@ REAL_ENGINE_GROUP = "real-engine"
 # Ordering weight of the real-engine group (seconds on the CI machine, tests/README.md table).
 REAL_ENGINE_SECONDS = 600.0
 DEFAULT_SLOW_SECONDS = 60.0
+# Files measured at minutes (tests/README.md, "Where the time goes", 2026-12-01) that carry no
+# ``slow`` mark of their own: ordering weights only, so the longest start first.
+MEASURED_SLOW_FILES = {
+    "tests/test_limits_e2e.py": 790.0,
+    "tests/test_fleet.py": 370.0,
+    "tests/test_observability_e2e.py": 320.0,
+    "tests/test_dialects_contract.py": 290.0,
+    "tests/test_messages_e2e.py": 265.0,
+    "tests/test_clients.py": 260.0,
+    "tests/test_rotation_e2e.py": 245.0,
+    "tests/test_fleet_e2e.py": 235.0,
+    "tests/test_adversarial.py": 225.0,
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -83,7 +96,7 @@ def _slow_seconds(item: pytest.Item) -> float:
         return REAL_ENGINE_SECONDS
     mark = item.get_closest_marker("slow")
     if mark is None:
-        return 0.0
+        return MEASURED_SLOW_FILES.get(item.nodeid.split("::", 1)[0], 0.0)
     value = mark.args[0] if mark.args else mark.kwargs.get("seconds", DEFAULT_SLOW_SECONDS)
     return float(value)
 

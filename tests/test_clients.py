@@ -52,8 +52,6 @@ def _run(demo: Demo, name: str, tmp_path: Path) -> subprocess.CompletedProcess[s
         "OPENAI_BASE_URL": demo.base_url,
         "OPENAI_API_KEY": demo.key,
         "LLM_USER_PATH": str(tmp_path / "llm"),
-        # LiteLLM fetches its price list at import unless told not to (loopback-only tests).
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     if lang == "python":
@@ -61,6 +59,17 @@ def _run(demo: Demo, name: str, tmp_path: Path) -> subprocess.CompletedProcess[s
     else:
         argv = ["bash", "-euo", "pipefail", "-c", code]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=90, cwd=tmp_path)
+
+
+def test_litellm_snippet_sets_the_variable_its_text_names() -> None:
+    """The LiteLLM snippet itself sets LITELLM_LOCAL_MODEL_COST_MAP (the test's environment does
+    not: a user's does not either), before LiteLLM is imported."""
+    _, code = snippets()["litellm"]
+    text = (REPO / "README.md").read_text()
+    named = re.findall(r"`(LITELLM_[A-Z_]+)=True`", text)
+    assert named == ["LITELLM_LOCAL_MODEL_COST_MAP"]
+    setting = f'os.environ["{named[0]}"] = "True"'
+    assert setting in code and code.index(setting) < code.index("import litellm")
 
 
 def test_readme_has_every_client_snippet() -> None:

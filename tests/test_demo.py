@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,6 +72,13 @@ class Demo:
     proc: subprocess.Popen[str]
     base_url: str
     key: str
+    banner: str
+    logs: list[str]
+
+    def access_logs(self) -> list[dict[str, object]]:
+        """The gateway's access lines (event ``request``) printed so far."""
+        parsed = [json.loads(line) for line in list(self.logs) if line.startswith("{")]
+        return [entry for entry in parsed if entry.get("event") == "request"]
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +95,22 @@ def demo() -> Iterator[Demo]:
     )
     assert proc.stdout is not None
     key = None
-    deadline = time.monotonic() + 30
-    while key is None and time.monotonic() < deadline:
+    banner: list[str] = []
+    deadline = time.monotonic() + 90  # a busy 2-core machine starts Python slowly
+    while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
             break
+        banner.append(line)
         found = re.search(r"(sk-q38-demo-\S+)", line)
-        key = found.group(1) if found else None
-    assert key, "the demo printed no key"
+        key = key or (found.group(1) if found else None)
+        if line.startswith("Press Ctrl-C"):
+            break
+    if key is None:
+        proc.kill()
+        proc.wait(5)
+        proc.stdout.close()
+        pytest.fail(f"the demo printed no key: {''.join(banner)[-2000:]}")
     base = f"http://127.0.0.1:{port}/v1"
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=10)
     while True:  # the gateway listens shortly after the banner
@@ -103,13 +120,19 @@ def demo() -> Iterator[Demo]:
         except openai.APIConnectionError:
             assert time.monotonic() < deadline, "the demo gateway did not answer"
             time.sleep(0.1)
-    yield Demo(proc, base, key)
+    logs: list[str] = []
+    # The gateway logs to the demo's stdout: keep reading it, or a full pipe would stall it.
+    reader = threading.Thread(target=lambda: logs.extend(iter(proc.stdout.readline, "")))
+    reader.daemon = True
+    reader.start()
+    yield Demo(proc, base, key, "".join(banner), logs)
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(15)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+    reader.join(5)
     proc.stdout.close()
 
 
@@ -187,3 +210,42 @@ def test_demo_on_a_taken_port_says_which_flag(taken: str) -> None:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and taken in lines[0] and "in use" in lines[0], done.stderr
     assert "sk-q38" not in done.stderr and "Traceback" not in done.stderr
+
+
+def printed(demo: Demo, starts: str) -> list[str]:
+    """The banner's command line starting with ``starts``, as argv, ``qwen38-gateway`` run as
+    this checkout's ``python -m gateway``."""
+    (line,) = [ln.strip() for ln in demo.banner.splitlines() if ln.strip().startswith(starts)]
+    argv = shlex.split(line)
+    return [sys.executable, "-m", "gateway", *argv[1:]] if argv[0] == "qwen38-gateway" else argv
+
+
+def test_demo_prints_commands_that_work_against_itself(demo: Demo) -> None:
+    """On ports other than 8000: the printed `keys add --wait` waits on this demo and succeeds,
+    the printed curl answers with the key read from a file (never on its command line), and the
+    printed `usage report` reads this demo's ledger and names it."""
+    added = subprocess.run(
+        printed(demo, "qwen38-gateway keys add"), capture_output=True, text=True, timeout=60
+    )
+    assert added.returncode == 0, added.stderr
+    assert f"the gateway at {demo.base_url.removesuffix('/v1')} has loaded it" in added.stderr
+    curl_lines = [ln for ln in demo.banner.splitlines() if "curl -N" in ln or "-d '{" in ln]
+    assert demo.key not in "".join(curl_lines) and "-H @/" in curl_lines[0]
+    curl = "\n".join(ln.strip() for ln in curl_lines).replace("\\\n", " ")
+    answered = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
+    assert answered.returncode == 0 and "data: [DONE]" in answered.stdout, answered.stderr
+    ledger = re.search(r"ledger: +(\S+)", demo.banner)
+    assert ledger is not None
+
+    def reported() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            printed(demo, "qwen38-gateway usage report"), capture_output=True, text=True, timeout=60
+        )
+
+    deadline = time.monotonic() + 20
+    report = reported()
+    while "demo" not in report.stdout and time.monotonic() < deadline:
+        time.sleep(0.5)
+        report = reported()
+    assert report.returncode == 0 and "demo" in report.stdout, report.stderr
+    assert f"ledger {ledger.group(1)}" in report.stderr

@@ -726,7 +726,7 @@ def _example_keys(text: str) -> set[str]:
     found: set[str] = set()
     table = ""
     for line in text.splitlines():
-        header = re.match(r"^#?\s*\[([a-z_.]+)\]\s*$", line)
+        header = re.match(r"^#?\s*\[\[?([a-z_.]+)\]\]?\s*$", line)
         if header:
             table = header.group(1)
             found.add(table)
@@ -751,6 +751,7 @@ def test_example_configs_list_every_setting_the_loaders_accept() -> None:
         for section, cls in gateway_config._SECTIONS.items()
         for f in dataclasses.fields(cls)
     }
+    accepted |= {f"engines.{f.name}" for f in dataclasses.fields(gateway_config.EngineSpec)}
     tenant_keys = {f.name for f in dataclasses.fields(gateway_config.TenantSettings)} - {"name"}
     shown_tenant = {key.rsplit(".", 1)[1] for key in shown if key.startswith("tenants.")}
     missing = sorted(accepted - shown) + sorted(

@@ -239,11 +239,19 @@ def test_named_tool_choice_and_json_format() -> None:
     assert chat["response_format"]["json_schema"]["schema"] == {"type": "object"}
 
 
+def test_a_messages_request_without_model_is_for_the_served_model() -> None:
+    """An absent model is accepted on Messages as on the OpenAI APIs: the one served model."""
+    translated = translate_messages(
+        {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, max_model_len=CTX
+    )
+    assert "model" not in translated.chat
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
-        ({"max_tokens": 5, "messages": []}, "model"),
+        ({"model": 7, "max_tokens": 5, "messages": []}, "model"),
         ({"model": "m", "max_tokens": 5}, "messages"),
         (
             {"model": "m", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]},

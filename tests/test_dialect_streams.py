@@ -331,20 +331,20 @@ def test_responses_stream_reasoning_then_text() -> None:
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output[1].content[0].text == "Hello 世界 🌍"
     assert final.usage.input_tokens == 42 and final.usage.output_tokens == 6
-    # no engine figure: 6 output tokens shared by characters, 13 of reasoning in 23
-    assert final.usage.output_tokens_details.reasoning_tokens == 3
+    # no engine figure: reasoning tokens are the engine's count only (README, one rule)
+    assert final.usage.output_tokens_details.reasoning_tokens == 0
     assert writer.output_text() == "Hello 世界 🌍"
 
 
-def test_responses_reasoning_tokens_do_not_depend_on_event_merging() -> None:
-    """Without the engine's figure, reasoning tokens are the same whether the engine sent the
-    reasoning in many events or merged into one (as a lagging vLLM or a non-streamed answer
-    does)."""
-    split = run_responses(engine_stream())[1][-1][1]["response"]["usage"]
-    chunks = engine_stream()
-    merged = [chunks[0], chunk({"reasoning": "Let me think."}), *chunks[3:]]
+def test_responses_reasoning_tokens_are_the_engines_count() -> None:
+    """output_tokens_details.reasoning_tokens is the engine's completion_tokens_details figure,
+    the number the ledger records, whatever the events' merging."""
+    counted = engine_stream()
+    counted[-1]["usage"]["completion_tokens_details"] = {"reasoning_tokens": 4}
+    split = run_responses(counted)[1][-1][1]["response"]["usage"]
+    merged = [counted[0], chunk({"reasoning": "Let me think."}), *counted[3:]]
     together = run_responses(merged)[1][-1][1]["response"]["usage"]
-    assert split == together and split["output_tokens_details"]["reasoning_tokens"] == 3
+    assert split == together and split["output_tokens_details"]["reasoning_tokens"] == 4
 
 
 def test_responses_stream_function_calls_with_namespace() -> None:

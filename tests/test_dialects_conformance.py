@@ -10,6 +10,7 @@ context checks. Assertions are about the APIs' shape and meaning, not token text
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ALIAS, KEY_A, Gateway
-from tests.realengine.launcher import MAX_MODEL_LEN
+from tests.conftest import ALIAS, KEY_A, Gateway, wait_until
+from tests.realengine.launcher import MAX_MODEL_LEN, LaunchedEngine
 
 FIXTURES = Path(__file__).parent / "fixtures" / "clients"
 WEATHER = "What is the weather like in Paris today?"
@@ -168,8 +169,9 @@ def test_claude_code_request_too_long_for_the_context(engine_gateway: Gateway) -
 # ---------------------------------------------------------------------------- Responses
 
 
-def test_responses_stream_with_reasoning(engine_gateway: Gateway) -> None:
-    """responses.stream: a reasoning item and a message, response.completed with usage."""
+def test_responses_stream_with_reasoning(engine_gateway: Gateway, engine: LaunchedEngine) -> None:
+    """responses.stream: a reasoning item and a message, response.completed with usage (the
+    engine's reasoning count: real vLLM counts, the simulator, like 1Cat-vLLM, does not)."""
     with responses_client(engine_gateway).responses.stream(
         model=ALIAS, input="Say hello.", max_output_tokens=64, reasoning={"effort": "medium"}
     ) as stream:
@@ -180,7 +182,56 @@ def test_responses_stream_with_reasoning(engine_gateway: Gateway) -> None:
         "response.incomplete",
     )
     assert final.output[0].type == "reasoning"
-    assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens > 0
+    assert final.usage is not None
+    reasoning = final.usage.output_tokens_details.reasoning_tokens
+    assert reasoning > 0 if engine.kind == "real" else reasoning == 0
+
+
+def ledger_reasoning(gw: Gateway, request_id: str) -> int | None:
+    """The ledger's reasoning_tokens of ``request_id`` once its record is written (10 s)."""
+    path = gw.config_path.parent / "gw-usage.sqlite3"
+    found: list[tuple[int | None]] = []
+
+    def written() -> bool:
+        if not path.exists():
+            return False
+        connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            found[:] = connection.execute(
+                "SELECT reasoning_tokens FROM usage WHERE request_id = ?", (request_id,)
+            ).fetchall()
+        finally:
+            connection.close()
+        return bool(found)
+
+    assert wait_until(written, 10), f"no ledger record for {request_id}"
+    return found[0][0]
+
+
+def test_reasoning_tokens_are_one_number_for_the_apis_and_the_ledger(
+    engine_gateway: Gateway, engine: LaunchedEngine
+) -> None:
+    """One answer's reasoning tokens: chat's usage, Responses' usage and the ledger agree."""
+    client = openai.OpenAI(
+        base_url=engine_gateway.url("/v1"), api_key=KEY_A, max_retries=0, timeout=60
+    )
+    OPEN.append(client)
+    raw = client.responses.with_raw_response.create(
+        model=ALIAS, input="Say hello.", max_output_tokens=64, reasoning={"effort": "medium"}
+    )
+    response = raw.parse()
+    assert response.usage is not None
+    reported = response.usage.output_tokens_details.reasoning_tokens
+    assert (ledger_reasoning(engine_gateway, raw.headers["x-request-id"]) or 0) == reported
+    chat = client.chat.completions.with_raw_response.create(
+        model=ALIAS, messages=[{"role": "user", "content": "Say hello."}], max_tokens=64
+    )
+    answer = chat.parse()
+    details = answer.usage.completion_tokens_details if answer.usage else None
+    in_chat = details.reasoning_tokens if details is not None else None
+    assert ledger_reasoning(engine_gateway, chat.headers["x-request-id"]) == in_chat
+    if engine.kind == "real":
+        assert reported > 0 and in_chat is not None and in_chat > 0
 
 
 def test_responses_non_stream_reasoning_none(engine_gateway: Gateway) -> None:

@@ -5,6 +5,7 @@ HAProxy sees, and the shipped haproxy.cfg checked by ``haproxy -c``."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,6 +50,7 @@ def redis_url() -> Iterator[str]:
     server.start()
     yield server.url
     server.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,7 @@ def postgres() -> Iterator[Postgres]:
     pg.start()
     yield pg
     pg.stop("immediate")
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture

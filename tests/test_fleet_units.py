@@ -48,10 +48,22 @@ def test_dsn_password_never_shows_in_an_error() -> None:
 
 
 def test_lease_names_say_where_the_engine_is() -> None:
-    """A lone [engine] socket is engine 'default', leased as <hostname>:<socket>."""
+    """A lone [engine] socket is engine 'default', leased as <hostname>:<socket>; [[engines]]
+    by socket or URL, each named by its table."""
+    host = socket.gethostname()
     settings = parse_settings({"engine": {"socket": "/run/q/e.sock"}})
-    assert configured_engines(settings) == [
-        ("default", "engine.socket", f"{socket.gethostname()}:/run/q/e.sock")
+    assert configured_engines(settings) == [("default", "engine.socket", f"{host}:/run/q/e.sock")]
+    fleet = parse_settings(
+        {
+            "engines": [
+                {"name": "gpu0", "socket": "/run/q/gpu0.sock"},
+                {"name": "far", "url": "https://10.0.0.9:8443"},
+            ]
+        }
+    )
+    assert configured_engines(fleet) == [
+        ("gpu0", "engines[0].name", f"{host}:/run/q/gpu0.sock"),
+        ("far", "engines[1].name", "https://10.0.0.9:8443"),
     ]
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.layers import REAL_ENGINE_GROUP
+from tests.realengine.fixtures import REAL_ENGINE_TEST_TIMEOUT_S
 from tests.timetable import file_of, table
 
 pytestmark = pytest.mark.fast
@@ -215,3 +216,23 @@ def test_ci_run_and_its_setup_scripts_pass_shellcheck() -> None:
         [shellcheck, "-x", *scripts], capture_output=True, text=True, timeout=60, cwd=REPO
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_real_engine_tests_may_wait_for_the_engines_start(pytester: pytest.Pytester) -> None:
+    """A real-engine test's timeout covers the engine's start (its own timeout mark wins)."""
+    pytester.makeconftest('pytest_plugins = ("tests.layers", "tests.realengine.fixtures")\n')
+    pytester.makepyfile(
+        test_r="""
+        import pytest
+        def test_plain(engine):
+            '''Both engines.'''
+        @pytest.mark.timeout(7)
+        def test_own(engine):
+            '''Its own bound.'''
+        """
+    )
+    items = _collect(pytester, "-p", "pytest_timeout")
+    bounds = {item.nodeid: item.get_closest_marker("timeout") for item in items}
+    assert bounds["test_r.py::test_plain[real]"].args == (REAL_ENGINE_TEST_TIMEOUT_S,)
+    assert bounds["test_r.py::test_own[real]"].args == (7,)
+    assert bounds["test_r.py::test_plain[sim]"] is None

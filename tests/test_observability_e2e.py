@@ -600,6 +600,7 @@ def test_random_models_paths_keys_and_agents_cannot_grow_label_sets(obs: Gateway
         "kind": set(UPSTREAM_ERROR_KINDS),
         "result": set(RELOAD_RESULTS),
         "backend": set(RATELIMIT_BACKENDS),
+        "engine": {"default"},  # the configured engine names: one engine here
     }
     series = _series(text)
     assert "gateway_requests" in series

@@ -58,6 +58,12 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway_engine_retries_total": ("counter", ()),
     "gateway_prompt_counts_total": ("counter", ()),
     "gateway_prompt_ceiling_exceeded_total": ("counter", ()),
+    # One series per configured engine (gateway/fleet.py); ``engine`` is the [[engines]] name.
+    "gateway_engine_status": ("gauge", ("engine",)),
+    "gateway_engine_slots": ("gauge", ("engine",)),
+    "gateway_engine_in_flight": ("gauge", ("engine",)),
+    "gateway_engine_requests_total": ("counter", ("engine",)),
+    "gateway_engine_failovers_total": ("counter", ("engine",)),
     "vllm:num_requests_running": ("gauge", _VLLM),
     "vllm:num_requests_waiting": ("gauge", _VLLM),
     "vllm:kv_cache_usage_perc": ("gauge", _VLLM),
@@ -83,6 +89,7 @@ GRAFANA_VARIABLES = {
     "$__range": "1h",
     "$instance": ".*",
     "$tenant": ".*",
+    "$engine": ".*",
 }
 PROMQL_KEYWORDS = frozenset(
     {

@@ -88,3 +88,24 @@ def test_report_errors_are_clear(workdir: Path) -> None:
     (workdir / "junk.sqlite3").write_text("not a database")
     done = run("--ledger", str(workdir / "junk.sqlite3"))
     assert done.returncode == 1 and "not a readable usage ledger" in done.stderr
+
+
+def test_report_names_the_ledger_it_reads_and_refuses_to_guess(workdir: Path) -> None:
+    """Without --ledger: the config's ledger is named on stderr; with no config file at all the
+    report refuses, naming both ways to say which ledger, instead of reading the default."""
+    ledger = workdir / "mine.sqlite3"
+    write_ledger(ledger, [("2026-12-01", "acme", "KEY_A", None, 200, 1, 2)])
+    config = workdir / "gateway.toml"
+    config.write_text(f'[ledger]\npath = "{ledger}"\n')
+    span = ("--since", "2026-12-01", "--until", "2026-12-01")
+    done = run(*span, "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == f"usage report: ledger {ledger}, from {config}\n"
+    assert "acme" in done.stdout
+    absent = workdir / "absent.toml"
+    refused = run(*span, "--config", str(absent))
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert f"no --ledger and no config file ({absent} does not exist)" in refused.stderr
+    assert "--ledger PATH" in refused.stderr and "--config PATH" in refused.stderr
+    named = run(*span, "--ledger", str(ledger))
+    assert named.returncode == 0 and named.stderr == f"usage report: ledger {ledger}\n"

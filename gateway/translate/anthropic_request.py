@@ -64,10 +64,11 @@ def translate_messages(body: Any, *, max_model_len: int, count_only: bool = Fals
     """
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
+    # An absent model is the served model, as on every API of the gateway (README, "Field
+    # checks"): it serves one model, so there is nothing to choose.
     model = body.get("model")
-    if model is None:
-        raise BadRequest("model: Field required", param="model")
-    expect(model, str, "model")
+    if model is not None:
+        expect(model, str, "model")
     messages = expect(body.get("messages"), list, "messages")
     if body.get("mcp_servers") not in (None, []):
         # Anthropic's MCP connector: the API would call these servers' tools; leaving them
@@ -76,7 +77,7 @@ def translate_messages(body: Any, *, max_model_len: int, count_only: bool = Fals
             "mcp_servers: the MCP connector is not available on this server", param="mcp_servers"
         )
 
-    chat: dict[str, Any] = {"model": model}
+    chat: dict[str, Any] = {"model": model} if model is not None else {}
     system_parts = _system_texts(body.get("system"))
     out: list[dict[str, Any]] = []
     seen_turn = False

@@ -13,10 +13,10 @@ Shapes are those of the ``openai`` SDK's ``ResponseStreamEvent`` and ``Response`
 built as plain JSON here and checked against the SDK models in the tests.
 
 Usage: ``input_tokens`` / ``output_tokens`` are the engine's counts; ``output_tokens_details.
-reasoning_tokens`` is the engine's figure when it reports one, else ``output_tokens`` shared in
-proportion to the characters of reasoning against all output text (vLLM merges several tokens
-into one event, and a non-streamed answer is one event, so events are no measure),
-``input_tokens_details.cached_tokens`` the engine's.
+reasoning_tokens`` is the engine's count (vLLM's reasoning parser, ``completion_tokens_details.
+reasoning_tokens``), the same number the chat API and the usage ledger show for the answer, and
+0 from an engine that does not count them (1Cat-vLLM): one rule for every API (README, "What each
+translated API does here"); ``input_tokens_details.cached_tokens`` the engine's.
 """
 
 from __future__ import annotations
@@ -267,9 +267,7 @@ class ResponsesWriter:
         """Responses ``usage`` from the engine's counts; None when it sent none."""
         if self.usage is None:
             return None
-        reasoning = self.usage.reasoning_tokens
-        if reasoning is None:
-            reasoning = self._reasoning_share(self.usage.completion_tokens)
+        reasoning = self.usage.reasoning_tokens or 0
         return {
             "input_tokens": self.usage.prompt_tokens,
             "input_tokens_details": {
@@ -280,20 +278,6 @@ class ResponsesWriter:
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": self.usage.prompt_tokens + self.usage.completion_tokens,
         }
-
-    def _reasoning_share(self, completion_tokens: int) -> int:
-        """``completion_tokens`` times the reasoning's share of the output's characters."""
-        reasoning = other = 0
-        for item in self.output:
-            if item["type"] == "reasoning":
-                reasoning += sum(len(part["text"]) for part in item["content"])
-            elif item["type"] == "message":
-                other += sum(len(part.get("text", "")) for part in item["content"])
-            elif item["type"] == "function_call":
-                other += len(item["name"]) + len(item["arguments"])
-        if reasoning == 0:
-            return 0
-        return min(completion_tokens, round(completion_tokens * reasoning / (reasoning + other)))
 
     def _conclude(self) -> None:
         self._close_item()

@@ -9,7 +9,11 @@ Sections (``--only`` picks some; default all but ``profile``):
 - ``busy``: one engine slot at 1,000 tokens/s, four tenants' backlog: engine busy fraction,
   hand-over gap, Jain's fairness index, a short request's wait behind long ones
   (`tests.perf.busy`);
-- ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised.
+- ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised;
+- ``slot``: adds the gateway with production's ``engine.max_concurrency = 1`` to the ``fast``
+  rows at c=1 (the engine-counter baseline of every request);
+- ``fleet``: four engines at 30 tokens/s behind one gateway, eight tenants of agent sessions:
+  busy, slots, fairness, session affinity, failover (`tests.perf.fleet`; not in the default run).
 
 Each of direct, nginx and gateway is measured in turn at each concurrency, the sequence repeated
 ``--rounds`` times (default 3), and the medians are reported. Everything runs on loopback and Unix
@@ -19,6 +23,7 @@ sockets in a private temp directory that is removed at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shutil
@@ -33,6 +38,7 @@ import aiohttp
 from tests.perf.bench import Row, measure, medians, run_profile, save, table
 from tests.perf.busy import BusyResults, run_busy
 from tests.perf.busy_report import busy_report
+from tests.perf.fleet import FleetResult, fleet_report, run_fleet
 from tests.perf.loadgen import raise_open_files_limit
 from tests.perf.nginx import find_nginx
 from tests.perf.profile import find_py_spy, recording, summarise
@@ -43,7 +49,9 @@ from tests.perf.targets import verdicts
 FAST = Profile("fast", "0 ms per token, 256 tokens an answer", 0.0, 256, (1, 32, 256))
 PACED = Profile("paced", "25 ms per token (40 tokens/s), 64 tokens", 40.0, 64, (1, 32, 64, 256))
 SECTIONS = ("fast", "paced", "limits", "slow", "busy")
-EXTRA_SECTIONS = ("profile", "ledger")
+EXTRA_SECTIONS = ("profile", "ledger", "fleet", "slot")
+# fleet: measured window (s).
+FLEET_WINDOW_S, QUICK_FLEET_WINDOW_S = 60.0, 20.0
 SLOW_STREAMS, SLOW_TOKENS = 2000, 25
 QUICK_SLOW_STREAMS, QUICK_SLOW_TOKENS = 500, 8
 # busy: measured window of each backlog run (s) and short probes behind the long backlog.
@@ -129,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"sections to run (default: {' '.join(SECTIONS)})",
     )
     parser.add_argument("--json", type=Path, help="also write every measured row here (JSON lines)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        help="relay rows only at these concurrencies (default: each profile's own)",
+    )
     args = parser.parse_args(argv)
     only = set(args.only or SECTIONS)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -137,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="q38perf-", dir="/tmp"))
     os.chmod(workdir, 0o700)
     report = [header(nginx_binary, rounds, args.quick), ""]
-    if only <= {"busy"}:  # the relay settings in the header do not apply to this section
+    if only <= {"busy", "fleet"}:  # the relay settings in the header do not apply to this section
         report = [*report[0].splitlines()[:4], ""]
     rows: list[Row] = []
     slow: list[SlowResult] = []
     busy: BusyResults | None = None
+    fleet: FleetResult | None = None
     try:
         for profile in (FAST, PACED):
             extras = [
@@ -149,14 +164,20 @@ def main(argv: list[str] | None = None) -> int:
                 for section, variant in (
                     ("limits", "gateway-limits-off"),
                     ("ledger", "gateway-ledger-off"),
+                    ("slot", "gateway-one-slot"),
                 )
-                if profile is FAST and section in only
+                if profile.name == "fast" and section in only
             ]
             wanted = profile.name in only or bool(extras)
             if not wanted:
                 continue
             full = profile.name in only
             variants = tuple(extras)
+            if args.concurrency:
+                profile = dataclasses.replace(
+                    profile,
+                    concurrencies=tuple(c for c in profile.concurrencies if c in args.concurrency),
+                )
             _progress(f"starting {profile.name}: {profile.description}")
             with run_stack(
                 workdir / profile.name,
@@ -192,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                 probes=QUICK_BUSY_PROBES if args.quick else BUSY_PROBES,
                 progress=_progress,
             )
+        if "fleet" in only:
+            window = QUICK_FLEET_WINDOW_S if args.quick else FLEET_WINDOW_S
+            fleet = run_fleet(workdir / "fleet", window, progress=_progress)
         profile_text = run_profile_section(workdir, args.quick) if "profile" in only else ""
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -215,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     if busy is not None:
         report += ["## One engine slot: busy and fair", ""]
         report += busy_report(busy)
+    if fleet is not None:
+        report += ["## Several engines behind one gateway", ""]
+        report += fleet_report(fleet)
     if profile_text:
         report += ["", "## Profile", "", profile_text]
     print("\n".join(report))
@@ -227,6 +254,7 @@ _TARGET_ORDER = {
     "gateway": 2,
     "gateway-limits-off": 3,
     "gateway-ledger-off": 4,
+    "gateway-one-slot": 5,
 }
 
 

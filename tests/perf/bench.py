@@ -131,6 +131,10 @@ def measure(
     )
 
 
+ONE_REQUEST_TARGETS = ("gateway-one-slot",)
+"""Targets measured at c=1 only."""
+
+
 def run_profile(
     profile: Profile,
     targets: list[Target],
@@ -145,6 +149,8 @@ def run_profile(
     for round_no in range(1, rounds + 1):
         for concurrency in profile.concurrencies:
             for target in targets:
+                if target.name in ONE_REQUEST_TARGETS and concurrency != 1:
+                    continue  # one engine slot: more clients only measure the queue
                 row = measure(profile, target, concurrency, engine_pid, quick)
                 rows.append(row)
                 progress(

@@ -7,7 +7,9 @@ Targets, all reaching the same simulator socket:
 - ``gateway``: ``qwen38-gateway serve`` with auth, memory rate limits, rewrites and metrics on;
 - ``gateway-limits-off``: the same with the rate limiter admitting everything (`tests.perf.nolimits`);
 - ``gateway-gc-tuned``: the same under other garbage-collector thresholds (`tests.perf.gcpolicy`);
-- ``gateway-ledger-off``: the same with the usage ledger off (``[ledger] enabled = false``).
+- ``gateway-ledger-off``: the same with the usage ledger off (``[ledger] enabled = false``);
+- ``gateway-one-slot``: the same with production's ``engine.max_concurrency = 1`` (measured at
+  c=1 only): the engine-counter baseline of exact cut charges is taken for every request.
 
 The gateway config is production's except where the benchmark would measure something else:
 ``engine.max_concurrency`` 4096 (production: 1, one V100) so the admission queue does not
@@ -122,10 +124,12 @@ VARIANTS: dict[str, list[str]] = {
     "gateway-limits-off": ["-m", "tests.perf.nolimits"],
     "gateway-gc-tuned": ["-m", "tests.perf.gcpolicy", "tuned", "gateway", "serve"],
     "gateway-ledger-off": ["-m", "gateway", "serve"],
+    "gateway-one-slot": ["-m", "gateway", "serve"],
 }
 # Config sections a variant changes in its copy of the gateway's config.
 VARIANT_CONFIG: dict[str, dict[str, dict[str, Any]]] = {
     "gateway-ledger-off": {"ledger": {"enabled": False}},
+    "gateway-one-slot": {"engine": {"max_concurrency": 1}},
 }
 
 

@@ -26,6 +26,7 @@ from tests.realengine.launcher import (
     MAX_MODEL_LEN,
     PYTHON_ENV,
     SKIP_ENV,
+    EngineStartFailed,
     EngineUnavailable,
     LaunchedEngine,
     check_engine_python,
@@ -34,6 +35,9 @@ from tests.realengine.launcher import (
 )
 
 ENGINE_KINDS = ("sim", "real")
+# pytest-timeout's bound of a real-engine test: the engine's start_timeout_s (300 s) and two
+# minutes for the test itself.
+REAL_ENGINE_TEST_TIMEOUT_S = 420
 
 
 def real_engine_skipped() -> bool:
@@ -69,6 +73,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         kind = callspec.params.get("engine") if callspec is not None else None
         if is_real_engine_item(item):
             item.add_marker(pytest.mark.real_engine)
+            if item.get_closest_marker("timeout") is None:
+                # The first real-engine test of a worker pays for the engine's start (under
+                # supervise.start_timeout_s, 300 s), which setup.cfg's 120 s would cut short.
+                item.add_marker(pytest.mark.timeout(REAL_ENGINE_TEST_TIMEOUT_S))
         pending = item.get_closest_marker("sim_pending")
         if kind == "sim" and pending is not None:
             reason = pending.args[0] if pending.args else "simulator differs from real vLLM"
@@ -104,7 +112,12 @@ def real_engine() -> Iterator[LaunchedEngine]:
     except EngineUnavailable as exc:
         pytest.fail(f"real engine unavailable ({PYTHON_ENV}): {exc}", pytrace=False)
     workdir = _workdir("q38re-")
-    engine = launch("real", workdir, python)
+    try:
+        engine = launch("real", workdir, python)
+    except EngineStartFailed as exc:
+        # The engine's own line first (e.g. vLLM's NotImplementedError), not only the
+        # launcher's "engine exited with code 1"; the log stays for a look.
+        pytest.fail(str(exc), pytrace=False)
     try:
         yield engine
     finally:

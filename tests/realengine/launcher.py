@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import httpx
 
+from tests.realengine.rootcause import root_cause
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -48,6 +50,14 @@ Kind = Literal["real", "sim"]
 
 class EngineUnavailable(RuntimeError):
     """The real engine's Python is missing or cannot import vLLM."""
+
+
+class EngineStartFailed(RuntimeError):
+    """The engine exited or was not ready in time; ``cause`` is its root-cause line."""
+
+    def __init__(self, message: str, *, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def engine_python() -> Path:
@@ -148,7 +158,8 @@ class LaunchedEngine:
         """Start the launcher and wait for the ready file (after /health and the warm-up).
 
         Raises:
-            RuntimeError: the launcher exited or the engine was not ready in time (log tail).
+            EngineStartFailed: the launcher exited or the engine was not ready in time; the
+                message starts with the engine's root-cause line (`rootcause.root_cause`).
         """
         with open(self.log_path, "ab") as log:
             argv = [sys.executable, "-m", "engine", "serve", "--skip-preflight"]
@@ -163,9 +174,17 @@ class LaunchedEngine:
         began = time.monotonic()
         deadline = began + self.start_timeout_s
         while not os.path.exists(self.ready_file):
-            if self.launcher.poll() is not None or time.monotonic() > deadline:
+            exited = self.launcher.poll() is not None
+            if exited or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"{self.kind} engine did not start:\n{self.log_tail()}")
+                how = "exited" if exited else f"not ready in {self.start_timeout_s:g} s"
+                log = self.log_path.read_text(errors="replace")
+                cause = root_cause(log) or "no error line in the log"
+                raise EngineStartFailed(
+                    f"{self.kind} engine did not start ({how}): {cause}\n"
+                    f"log: {self.log_path}\n{self.log_tail()}",
+                    cause=cause,
+                )
             time.sleep(0.1)
         self.starts.append(time.monotonic() - began)
 
@@ -243,7 +262,7 @@ def launch(
 
     Raises:
         EngineUnavailable: the real engine cannot be used (see `check_engine_python`).
-        RuntimeError: the engine did not become ready.
+        EngineStartFailed: the engine did not become ready (its root-cause line first).
     """
     model = workdir / "model"
     if kind == "real":

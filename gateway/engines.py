@@ -1,0 +1,140 @@
+"""The engines behind one gateway: each one's session, health and rotation, and the fleet's sum.
+
+`Engines` holds, per configured engine (`gateway.config.EngineSpec`), its `Upstream` (created when
+the app starts) and its `EngineState` (set by its own health poller and by the proxy when a
+request's connection fails). A change of one engine's state takes it in or out of the admission
+queue's rotation (`AdmissionQueue.set_ready`), counts a death for the requests that were at it
+(`gateway.quarantine`, per engine), forgets the sessions it held (its prefix cache died with it),
+and sets the fleet's state: ready while any engine is ready (`/ready`, ``gateway_engine_up``,
+the 503 of a request that finds no engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+
+from gateway.admission import AdmissionQueue
+from gateway.affinity import Affinity
+from gateway.config import EngineSettings, EngineSpec
+from gateway.engine_watch import poll_health
+from gateway.metrics import Metrics
+from gateway.quarantine import Quarantine
+from gateway.upstream import EngineState, EngineStatus, Upstream
+
+_ORDER: dict[EngineStatus, int] = {"ready": 0, "warming": 1, "down": 2, "starting": 3}
+
+
+class Engines:
+    """The configured engines, by name, in the config's order.
+
+    Args:
+        specs: `Settings.engine_specs`.
+        metrics: per-engine families (``engine`` label bounded to ``specs``' names).
+        clock: monotonic seconds.
+        overall: the fleet's state (the app's ``ENGINE_STATE``); set from the engines' states.
+        queue: the admission queue whose rotation follows the engines' health.
+        quarantine: deaths are counted per engine.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[EngineSpec],
+        metrics: Metrics,
+        clock: Callable[[], float],
+        overall: EngineState,
+        queue: AdmissionQueue,
+        quarantine: Quarantine,
+    ) -> None:
+        self.specs = {spec.name: spec for spec in specs}
+        self.states = {spec.name: EngineState(metrics, clock, name=spec.name) for spec in specs}
+        self.upstreams: dict[str, Upstream] = {}
+        self.affinity = Affinity()
+        self.overall = overall
+        self._queue = queue
+        self._quarantine = quarantine
+        self._metrics = metrics
+        self._tasks: list[asyncio.Task[None]] = []
+        metrics.prime_engines(self.specs)
+        metrics.engine_slots.source = lambda: [
+            (e.name, e.slots, e.in_flight) for e in queue.engines.values()
+        ]
+        for name, state in self.states.items():
+            state.listeners.append(functools.partial(self._changed, name))
+            queue.set_ready(name, False)  # in rotation once its poller finds it ready
+
+    @property
+    def names(self) -> list[str]:
+        """The engines' names, in the config's order."""
+        return list(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def upstream(self, name: str | None) -> Upstream:
+        """The session of engine ``name`` (the first engine's for None or an unknown name)."""
+        found = self.upstreams.get(name) if name is not None else None
+        return found if found is not None else next(iter(self.upstreams.values()))
+
+    def state(self, name: str | None) -> EngineState:
+        """The state of engine ``name`` (the fleet's for None or an unknown name)."""
+        found = self.states.get(name) if name is not None else None
+        return found if found is not None else self.overall
+
+    def any_ready(self) -> Upstream:
+        """A ready engine's session for a request that needs no slot (``/tokenize``): the first
+        ready engine, else the first engine."""
+        for name, state in self.states.items():
+            if state.ready and name in self.upstreams:
+                return self.upstreams[name]
+        return self.upstream(None)
+
+    def start(self, settings: Callable[[], EngineSettings]) -> None:
+        """Open each engine's session and start its health poller (in the running loop)."""
+        for name, spec in self.specs.items():
+            upstream = Upstream(settings(), self._metrics, spec)
+            self.upstreams[name] = upstream
+            ready_file = functools.partial(lambda s: s.ready_file, spec)
+            self._tasks.append(
+                asyncio.create_task(poll_health(upstream, self.states[name], settings, ready_file))
+            )
+
+    async def close(self) -> None:
+        """Stop the pollers and close every session."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        for upstream in self.upstreams.values():
+            await upstream.close()
+
+    def _changed(self, name: str, previous: EngineStatus, status: EngineStatus) -> None:
+        """One engine's state changed: rotation, quarantine, affinity, then the fleet's state."""
+        self._queue.set_ready(name, status == "ready")
+        if status == "down" and previous in ("ready", "warming"):
+            self._quarantine.engine_died(name)
+            self.affinity.forget_engine(name)
+        elif status == "ready":
+            self._quarantine.engine_ready(name)
+        best = min(self.states.values(), key=lambda s: _ORDER[s.status])
+        overall = best.status
+        if overall == "starting" and any(s.status == "down" for s in self.states.values()):
+            overall = "down"
+        self.overall.set(overall, None if overall == "ready" else f"engine {name} {status}")
+
+    def detail(self, clock: float) -> dict[str, dict[str, object]]:
+        """``/ready``'s per-engine detail: status, seconds in it, slots, in flight."""
+        out: dict[str, dict[str, object]] = {}
+        for name, state in self.states.items():
+            slots = self._queue.engines[name]
+            out[name] = {
+                "status": state.status,
+                "state_for_s": round(clock - state.since, 3),
+                "slots": slots.slots,
+                "in_flight": slots.in_flight,
+            }
+        return out
