@@ -145,7 +145,12 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
         tenant = call.caller.tenant
         home = app[ENGINES].affinity.home(call.session)
         ticket = app[ADMISSION].enqueue(
-            tenant.name, tenant.weight, plan.reserve_tokens, label=label, home=home, background=call.background
+            tenant.name,
+            tenant.weight,
+            plan.reserve_tokens,
+            label=label,
+            home=home,
+            background=call.background,
         )
         call.ticket = ticket
         try:
