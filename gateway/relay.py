@@ -224,13 +224,7 @@ async def relay_stream(
     except ConnectionResetError as exc:
         return stream.gone(isinstance(exc, ClientStalled))
     finally:
-        usage = call.usage
-        usage.streamed_events = state.content_events
-        usage.streamed = state.running
-        if state.usage is not None:
-            usage.prompt_tokens = state.usage.prompt_tokens
-            usage.completion_tokens = state.usage.completion_tokens
-            usage.reasoning_tokens = state.usage.reasoning_tokens
+        call.usage.record_stream(state.usage, state.running, state.content_events)
 
 
 async def _first_read(answer: UpstreamAnswer, heartbeat: Beat, keepalive: bytes) -> bytes | None:
@@ -300,9 +294,7 @@ async def relay_json(
             EngineBadResponse("The gateway failed to rewrite the engine's answer."), exc
         ) from exc
     del parts
-    call.usage.prompt_tokens = result.prompt_tokens
-    call.usage.completion_tokens = result.completion_tokens
-    call.usage.reasoning_tokens = result.reasoning_tokens
+    call.usage.record_final(result.usage)
     if offloaded is None:
         return web.Response(body=result.body, content_type="application/json", headers=headers)
     if result.stored is not None and dialect.store_answer is not None:

@@ -93,7 +93,7 @@ async def take_baseline(request: web.Request, call: ModelCall) -> None:
     (``engine.max_concurrency = 1`` and no other request at the engine): the reading taken
     while the engine was idle since the previous request (`gateway.counters.IdleCounters`), so
     the request path reads ``/metrics`` only when there is none; else no baseline is taken and
-    a cut is charged its streamed usage (`gateway.state.Usage.settle`)."""
+    a cut is charged its streamed usage (`gateway.meter.Meter.settle`)."""
     call.baseline = None
     admission = request.app[ADMISSION]
     if admission.max_concurrency != 1 or admission.in_flight != 1:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from gateway.framing import DONE, data_event
+from gateway.meter import EngineUsage, RunningUsage, parse_usage
 
 log = structlog.get_logger("gateway.sse")
 
@@ -46,47 +47,6 @@ class StreamProtocolError(Exception):
 
 class EventTooLarge(StreamProtocolError):
     """One upstream event is larger than the relay's ``max_event_bytes``."""
-
-
-@dataclass
-class Usage:
-    """Token usage as the engine reported it (OpenAI ``usage`` object); counts are tokens.
-
-    ``reasoning_tokens`` is ``completion_tokens_details.reasoning_tokens`` when reported (part
-    of ``completion_tokens``), else None.
-    """
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    reasoning_tokens: int | None = None
-
-
-@dataclass
-class RunningUsage:
-    """The engine's running usage (``continuous_usage_stats``): what was streamed so far.
-
-    vLLM's per-chunk ``usage`` counts the tokens of the chunk's own choice (OpenAI API reference,
-    ``stream_options``; vLLM docs, "OpenAI-Compatible Server", ``continuous_usage_stats``), so
-    the running total is kept per choice index and summed.
-
-    Attributes:
-        prompt_tokens: the engine's prompt count (the largest reported; choices share the prompt).
-        choices: choice index -> (completion tokens, reasoning tokens or None), the last reported.
-    """
-
-    prompt_tokens: int = 0
-    choices: dict[int, tuple[int, int | None]] = field(default_factory=dict)
-
-    @property
-    def completion_tokens(self) -> int:
-        """Completion tokens streamed, all choices together."""
-        return sum(completion for completion, _ in self.choices.values())
-
-    @property
-    def reasoning_tokens(self) -> int | None:
-        """Reasoning tokens streamed (part of `completion_tokens`), None when not reported."""
-        counts = [reasoning for _, reasoning in self.choices.values() if reasoning is not None]
-        return sum(counts) if counts else None
 
 
 @dataclass
@@ -107,7 +67,7 @@ class RelayState:
 
     events: int = 0
     content_events: int = 0
-    usage: Usage | None = None
+    usage: EngineUsage | None = None
     running: RunningUsage | None = None
     done: bool = False
     finished_choices: int = 0
@@ -348,15 +308,15 @@ class SseRelay:
             return
         if not isinstance(obj, dict) or obj.get("choices") != []:
             return
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.state.usage = _usage(usage)
+        usage = parse_usage(obj.get("usage"))
+        if usage is not None:
+            self.state.usage = usage
 
     def _take_running_usage(self, payload: bytes) -> bytes:
         """Record the running ``usage`` of one chunk; the chunk without it unless the client
         asked for it (the bytes vLLM sends without ``continuous_usage_stats``)."""
         flat = _flat_usage(payload)
-        seen: Usage | None
+        seen: EngineUsage | None
         if flat is not None:
             start, end, seen = flat
         else:
@@ -368,37 +328,21 @@ class SseRelay:
                 usage = json.loads(payload[start + 9 : end])  # after ',"usage":'
             except ValueError:
                 usage = None
-            seen = _usage(usage) if isinstance(usage, dict) else None
+            seen = parse_usage(usage)
         if seen is not None:
             running = self.state.running
             if running is None:
                 running = self.state.running = RunningUsage()
-            running.prompt_tokens = max(running.prompt_tokens, seen.prompt_tokens)
-            index = _choice_index(payload) if self._n > 1 else 0
-            running.choices[index] = (seen.completion_tokens, seen.reasoning_tokens)
+            running.observe(seen, _choice_index(payload) if self._n > 1 else 0)
         if self._wants_running:
             return payload
         return payload[:start] + payload[end:]
 
 
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
-def _usage(usage: dict[str, Any]) -> Usage:
-    details = usage.get("completion_tokens_details")
-    reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
-    return Usage(
-        prompt_tokens=_int(usage.get("prompt_tokens")),
-        completion_tokens=_int(usage.get("completion_tokens")),
-        reasoning_tokens=_int(reasoning) if reasoning is not None else None,
-    )
-
-
 _USAGE_KEY = b',"usage":{'
 
 
-def _flat_usage(payload: bytes) -> tuple[int, int, Usage] | None:
+def _flat_usage(payload: bytes) -> tuple[int, int, EngineUsage] | None:
     """The running usage of a chunk when it is a flat object of counts (vLLM's form:
     ``{"prompt_tokens":9,"total_tokens":12,"completion_tokens":3}``): its (start, end) byte
     offsets and counts, read with a few byte operations instead of a scan and a JSON decode per
@@ -421,7 +365,7 @@ def _flat_usage(payload: bytes) -> tuple[int, int, Usage] | None:
             prompt = int(value)
         elif key == b'"completion_tokens"':
             completion = int(value)
-    return start, end + 1, Usage(prompt, completion)
+    return start, end + 1, EngineUsage(prompt, completion)
 
 
 _CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')

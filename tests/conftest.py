@@ -28,8 +28,14 @@ KEY_C = "sk-q38-testCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 
 # The `engine` fixture (real vLLM and the simulator, started by the launcher) and its markers;
 # the layers (`fast`, `slow`) and the grouping of files under pytest-xdist.
-# pytester runs pytest in-process on generated files (tests/test_layers.py).
-pytest_plugins = ("tests.layers", "tests.realengine.fixtures", "pytester")
+# pytester runs pytest in-process on generated files (tests/test_layers.py); the live deployment
+# tests' session fixtures (Docker, root filesystems, the image: tests/deploylive_fixtures.py).
+pytest_plugins = (
+    "tests.layers",
+    "tests.realengine.fixtures",
+    "pytester",
+    "tests.deploylive_fixtures",
+)
 
 
 def free_port() -> int:
