@@ -110,6 +110,16 @@ def bookworm_tar(deploy_host: None) -> Path:
         return bookworm_rootfs()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Also write the phases' times to .ci-report/deploy-live-phases.txt (under pytest-xdist the
+    worker that ran the tests holds them, not the process printing the summary)."""
+    if TIMINGS:
+        report = Path(__file__).resolve().parent.parent / ".ci-report"
+        report.mkdir(exist_ok=True)
+        lines = [f"{phase:<52} {seconds:7.1f}\n" for phase, seconds in TIMINGS.items()]
+        (report / "deploy-live-phases.txt").write_text("".join(lines))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Print the live deployment phases' times when any ran."""
     if TIMINGS:
