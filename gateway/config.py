@@ -50,7 +50,11 @@ class ServerSettings:
 
     ``sse_keepalive_s``: while a stream's headers are out but no event comes (queued, or the
     engine's prefill of a long prompt), an SSE comment line is sent this often so that idle
-    timeouts of clients and proxies do not fire; 0 sends none.
+    timeouts of clients and proxies do not fire; 0 sends none (a queued stream still beats every
+    5 s). ``sse_progress_event_s``: on the Messages and Responses APIs, a waiting stream's
+    keep-alive is replaced this often by an event of the API that changes nothing (``message_delta``,
+    ``response.in_progress``): Claude Code's and Codex's idle timers count events, not comments
+    or pings (`gateway.waiting`); 0 sends none.
 
     ``shutdown_grace_s``: on SIGTERM, requests at the engine get this long to finish; queued ones
     get 503 at once; the process exits within the grace plus about 2 s. ``drain_delay_s``: before
@@ -71,6 +75,7 @@ class ServerSettings:
     tls_key_file: str = ""
     plain_http: bool = False
     sse_keepalive_s: float = 5.0
+    sse_progress_event_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,11 @@ class EngineSettings:
     non-200 answer marks it down at once (`gateway.engine_watch.poll_health`). Default 10 s: three
     failed probes at the default 2 s interval, well above a loaded engine's slow ``/health``.
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
-    headers and ``: queued`` SSE comments while it waits.
+    headers, its dialect's opening events and keep-alives while it waits (`gateway.waiting`).
+    ``queue_timeout_s``: the longest wait in that queue, 30 minutes by default so that agent
+    clients (Claude Code, Codex) behind a few other turns on a one-slot engine are served
+    instead of refused; a streamed request is kept alive meanwhile, a non-streamed one is bound
+    by its client's read timeout (README, "Long waits and retries").
     ``max_answer_bytes``: the largest non-streamed engine answer relayed (a larger one is a 502,
     the engine request aborted); ``max_event_bytes``: the largest single streamed event (past
     it the stream ends with a 502 error event). A 32,768-token answer is about 150 KB of JSON,
@@ -137,7 +146,7 @@ class EngineSettings:
     max_model_len: int = 254_976
     max_concurrency: int = 1
     queue_size: int = 64
-    queue_timeout_s: float = 300.0
+    queue_timeout_s: float = 1800.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 900.0
     request_timeout_s: float = 0.0

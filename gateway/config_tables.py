@@ -26,6 +26,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "server.body_timeout_s": (0.1, 3600),
     "server.client_write_timeout_s": (0.1, 3600),
     "server.sse_keepalive_s": (0, 3600),
+    "server.sse_progress_event_s": (0, 3600),
     "metrics.port": (1, 65535),
     "metrics.engine_scrape_timeout_s": (0.05, 60),
     "metrics.engine_scrape_cache_s": (0, 60),

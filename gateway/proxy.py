@@ -38,7 +38,6 @@ from gateway.errors import (
     GatewayTimeout,
     RequestQuarantined,
 )
-from gateway.framing import comment
 from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler, credential
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
@@ -58,11 +57,9 @@ from gateway.state import (
     ModelCall,
     RequestContext,
 )
+from gateway.waiting import Heartbeat, background_request, wait_for_slot
 
 log = structlog.get_logger("gateway.proxy")
-
-_QUEUED_COMMENT = comment("queued")
-_QUEUED_COMMENT_EVERY_S = 5.0
 
 
 def model_handler(dialect: Dialect) -> Handler:
@@ -99,6 +96,7 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
     server = live.settings.server
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
     body = client_body(raw, credential(request, call.dialect))
+    call.background = background_request(request.headers, body)
     session = session_key(request.headers, body)
     if session is not None and call.live.settings.engine.affinity:
         call.session = Affinity.digest(call.caller.tenant.name, session)
@@ -147,7 +145,12 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
         tenant = call.caller.tenant
         home = app[ENGINES].affinity.home(call.session)
         ticket = app[ADMISSION].enqueue(
-            tenant.name, tenant.weight, plan.reserve_tokens, label=label, home=home
+            tenant.name,
+            tenant.weight,
+            plan.reserve_tokens,
+            label=label,
+            home=home,
+            background=call.background,
         )
         call.ticket = ticket
         try:
@@ -196,7 +199,8 @@ def record_call(accounting: Accounting, context: RequestContext) -> None:
 
 
 async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
-    """Wait for an engine slot (with ``: queued`` comments for long-waiting streams), then call.
+    """Wait for an engine slot (a long-waiting stream opens and beats: `gateway.waiting`), then
+    call the engine.
 
     A request that waited in the queue keeps waiting for an engine that went down for the rest
     of its queue time (``engine.queue_timeout_s``); a fresh one gets 503 at once.
@@ -206,14 +210,11 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
     engine = call.settings.engine
     ticket = call.ticket
     stream = ClientStream(request, call) if call.plan.stream else None
+    heartbeat = Heartbeat(stream, call, app[CLOCK]) if stream is not None else None
     try:
         comment_after = engine.queued_comment_after_s
-        if stream is not None and comment_after > 0:
-            every = call.settings.server.sse_keepalive_s or _QUEUED_COMMENT_EVERY_S
-            granted = await ticket.wait(comment_after)
-            while not granted:
-                await stream.send(_QUEUED_COMMENT)
-                granted = await ticket.wait(every)
+        if heartbeat is not None and comment_after > 0:
+            await wait_for_slot(ticket, heartbeat, comment_after)
         else:
             await ticket.wait(None)
         call.queued_s = ticket.waited_s
@@ -237,7 +238,7 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
     queued_budget = 0.0
     if ticket.waited_s > 0:
         queued_budget = max(0.0, engine.queue_timeout_s - ticket.waited_s)
-    return await call_engine(request, call, stream, queued_budget)
+    return await call_engine(request, call, stream, queued_budget, heartbeat)
 
 
 def _hang_kill(call: ModelCall, engine: str) -> bool:
@@ -265,7 +266,11 @@ async def _move(app: web.Application, call: ModelCall, failed: str | None) -> bo
 
 
 async def call_engine(
-    request: web.Request, call: ModelCall, stream: ClientStream | None, queued_budget: float
+    request: web.Request,
+    call: ModelCall,
+    stream: ClientStream | None,
+    queued_budget: float,
+    heartbeat: Heartbeat | None = None,
 ) -> web.StreamResponse:
     """POST to the engine and relay its answer; the engine answer is ended on every exit.
 
@@ -294,7 +299,7 @@ async def call_engine(
 
     timer = asyncio.get_running_loop().call_later(limit, expire) if limit else None
     try:
-        return await _call_engine(request, call, stream, queued_budget)
+        return await _call_engine(request, call, stream, queued_budget, heartbeat)
     except asyncio.CancelledError:
         cut: GatewayError
         if request.app[DRAIN].cut_by_shutdown():
@@ -338,7 +343,11 @@ def time_limit(call: ModelCall) -> float | None:
 
 
 async def _call_engine(
-    request: web.Request, call: ModelCall, stream: ClientStream | None, queued_budget: float
+    request: web.Request,
+    call: ModelCall,
+    stream: ClientStream | None,
+    queued_budget: float,
+    heartbeat: Heartbeat | None,
 ) -> web.StreamResponse:
     assert call.plan is not None and call.ticket is not None
     app = request.app
@@ -443,7 +452,7 @@ async def _call_engine(
                 raise error
             return await stream.end_with_error(error)
         if stream is not None:
-            result = await relay_stream(request, call, answer, stream)
+            result = await relay_stream(request, call, answer, stream, heartbeat)
         else:
             result = await relay_json(request, call, answer, app[ANSWER_WORKER])
         complete = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -34,11 +34,23 @@ from gateway.sse import EventTooLarge, StreamProtocolError
 from gateway.state import CLOCK, METRICS, ModelCall
 from gateway.upstream import UpstreamAnswer
 
+if TYPE_CHECKING:
+    from gateway.dialects import StreamRelay
+
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
+
+
+class Beat(Protocol):
+    """The signs of life of a waiting stream (`gateway.waiting.Heartbeat`)."""
+
+    every: float
+
+    async def beat(self, keepalive: bytes) -> None:
+        """Send ``keepalive`` or a progress event; raises ConnectionResetError if the client left."""
 
 
 class ClientStalled(ConnectionResetError):
@@ -60,7 +72,7 @@ class ClientStream:
         self._call = call
         self._timeout = call.settings.server.client_write_timeout_s
         self.response: web.StreamResponse | None = None
-        self.relay: object | None = None  # the stream relay, once the engine answered
+        self.relay: StreamRelay | None = None  # made when the stream opens (queued or answered)
 
     async def start(self) -> web.StreamResponse:
         """Send the SSE headers once: no proxy buffering, no compression (case C01)."""
@@ -143,35 +155,42 @@ def client_gone(request: web.Request, call: ModelCall, stalled: bool = False) ->
 
 
 async def relay_stream(
-    request: web.Request, call: ModelCall, answer: UpstreamAnswer, stream: ClientStream
+    request: web.Request,
+    call: ModelCall,
+    answer: UpstreamAnswer,
+    stream: ClientStream,
+    heartbeat: Beat | None = None,
 ) -> web.StreamResponse:
     """Forward the engine's SSE as it arrives: one client write per engine read (case C01).
 
     Whatever ends the stream (the client gone, cancellation, an engine drop), the usage seen
     so far is recorded on ``call.usage``: the final usage of a complete answer, the running
     usage (what was streamed) of one cut short. An engine failure after the headers is one final
-    error event; a client that went away is a 499.
+    error event; a client that went away is a 499. The relay opened while the request was
+    queued (``stream.relay``) is kept; ``heartbeat`` beats while the engine is silent before its
+    first read.
     """
     assert call.plan is not None, "the call is planned before the engine is called"
     metrics = request.app[METRICS]
     clock = request.app[CLOCK]
     context = call.context
-    relay = call.dialect.stream_relay(call.settings, call.plan)
-    stream.relay = relay
+    relay = stream.relay
+    if relay is None:
+        relay = stream.relay = call.dialect.stream_relay(call.settings, call.plan)
     state = relay.state
     failure: GatewayError | None = None
     keepalive = call.dialect.keepalive
-    every = call.settings.server.sse_keepalive_s
-    if every <= 0:
+    if heartbeat is None or heartbeat.every <= 0:
         keepalive = None
     try:
         await stream.start()
         try:
-            if keepalive is not None:
+            if keepalive is not None and heartbeat is not None:
                 opening = getattr(relay, "start", None)
-                if opening is not None:
-                    await stream.send(opening())
-                first = await _first_read(answer, stream, keepalive, every)
+                data = opening() if opening is not None else b""
+                if data:
+                    await stream.send(data)
+                first = await _first_read(answer, heartbeat, keepalive)
                 if first is not None:
                     answer_reads: Any = _prepend(first, answer)
                 else:
@@ -208,12 +227,11 @@ async def relay_stream(
         call.usage.record_stream(state.usage, state.running, state.content_events)
 
 
-async def _first_read(
-    answer: UpstreamAnswer, stream: ClientStream, keepalive: bytes, every: float
-) -> bytes | None:
-    """The engine's first read, sending ``keepalive`` every ``every`` seconds
-    (``server.sse_keepalive_s``) while it is silent (prefill of a long prompt takes minutes),
-    so idle timeouts of clients and proxies do not fire; None at the end of the body.
+async def _first_read(answer: UpstreamAnswer, heartbeat: Beat, keepalive: bytes) -> bytes | None:
+    """The engine's first read, beating (``keepalive``, or a progress event) every
+    ``heartbeat.every`` seconds (``server.sse_keepalive_s``) while it is silent (prefill of a
+    long prompt takes minutes), so idle timeouts of clients and proxies do not fire; None at the
+    end of the body.
 
     Raises:
         UpstreamError: the engine failed before its first byte.
@@ -222,10 +240,10 @@ async def _first_read(
     pending = asyncio.ensure_future(answer.__anext__())
     try:
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=every)
+            done, _ = await asyncio.wait({pending}, timeout=heartbeat.every)
             if done:
                 break
-            await stream.send(keepalive)
+            await heartbeat.beat(keepalive)
         try:
             return pending.result()
         except StopAsyncIteration:

@@ -169,6 +169,7 @@ class ModelCall:
             while it holds the engine's only slot (`gateway.counters`); None otherwise.
         session: the request's session (`gateway.affinity.Affinity.digest`), or None.
         engine: the name of the engine the request was last sent to, once sent.
+        background: the request said it is background work (`gateway.waiting.background_request`).
     """
 
     context: RequestContext
@@ -186,6 +187,7 @@ class ModelCall:
     baseline: Baseline | None = None
     session: bytes | None = None
     engine: str | None = None
+    background: bool = False
 
     @property
     def live(self) -> Live:
