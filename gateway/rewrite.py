@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from gateway.ceiling import chat_ceiling, completion_ceiling
 from gateway.config import Settings, TenantSettings
-from gateway.errors import BadRequest, ModelNotFound, PermissionDenied
+from gateway.errors import QUOTABLE_MAX_CHARS, BadRequest, ModelNotFound, PermissionDenied
 from gateway.validate import find_unsendable, validate_fields
 
 Kind = Literal["chat", "completions"]
@@ -420,8 +420,12 @@ def _check_context(
     """
     name = next((f for f in max_fields if body.get(f) is not None), max_fields[-1])
     if requested > context:
+        # The value is quoted only when short: errors quote at most QUOTABLE_MAX_CHARS
+        # characters of a client value (case C29), a 35-digit number included.
+        shown = str(requested)
+        value = f" {shown}," if len(shown) <= QUOTABLE_MAX_CHARS else ""
         raise BadRequest(
-            f"'{name}' is {requested}, more than this model's context of {context} tokens.",
+            f"'{name}' is{value} more than this model's context of {context} tokens.",
             param=name,
         )
     exact = prompts is not None and isinstance(body.get("prompt"), list)
