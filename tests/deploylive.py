@@ -38,6 +38,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("QWEN38_DEPLOY_CACHE") or REPO / ".ci-cache" / "deploy")
+# The live deployment suites run only when asked (tests/README.md, "Live deployment tests"): a
+# booted systemd container shares the runner's cgroup, and once, beside the whole suite under
+# pytest-xdist, the runner's own process group was killed while the container ran.
+OPT_IN_VARIABLE = "QWEN38_DEPLOY_LIVE"
+
+
+def opted_in() -> bool:
+    """True when ``$QWEN38_DEPLOY_LIVE`` is set to something other than empty or ``0``."""
+    return os.environ.get(OPT_IN_VARIABLE, "0") not in ("", "0")
+
 
 TRIXIE_DOCKER = ("docker.io", "docker-cli", "containerd", "docker-buildx")
 BOOKWORM_RUNC = "runc"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploylive import OPT_IN_VARIABLE, opted_in
 from tests.deploylive_fixtures import BuiltImage, timed
 from tests.dockerhost import Dockerd, build_image
 
@@ -25,6 +26,9 @@ UID = 10038
 # The first build takes minutes (prepared in the background by .ci/setup.d/20-deploy-live.sh);
 # one worker for both live deployment files (one private dockerd per data root).
 pytestmark = [
+    pytest.mark.skipif(
+        not opted_in(), reason=f"live deployment tests are opt-in: set {OPT_IN_VARIABLE}=1"
+    ),
     pytest.mark.slow(120),
     pytest.mark.xdist_group("deploy-live"),
     pytest.mark.timeout(1800),
