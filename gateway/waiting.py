@@ -137,4 +137,5 @@ def background_request(headers: Mapping[str, str], body: Any) -> bool:
     priority = headers.get(PRIORITY_HEADER, "")
     if priority.strip().lower() == "background":
         return True
-    return isinstance(body, dict) and body.get("service_tier") in BACKGROUND_TIERS
+    tier = body.get("service_tier") if isinstance(body, dict) else None
+    return isinstance(tier, str) and tier in BACKGROUND_TIERS  # any JSON value may come

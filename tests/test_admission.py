@@ -468,3 +468,12 @@ async def test_a_cancelled_background_waiter_leaves_no_trace(metrics: Metrics) -
     assert titles[-1].granted
     titles[-1].release()
     assert queue.depth == 0 and queue.in_flight == 0
+
+
+@pytest.mark.parametrize("tier", [[], {}, ["flex"], 5, None, "flex", "default"])
+def test_background_signal_takes_any_json_service_tier(tier: object) -> None:
+    """``service_tier`` of any JSON type is read without error; only the string "flex" marks
+    background work (a list or object there once answered 500)."""
+    from gateway.waiting import background_request
+
+    assert background_request({}, {"service_tier": tier}) is (tier == "flex")
