@@ -172,6 +172,7 @@ class ModelCall:
         session: the request's session (`gateway.affinity.Affinity.digest`), or None.
         engine: the name of the engine the request was last sent to, once sent.
         background: the request said it is background work (`gateway.waiting.background_request`).
+        attaches: other connections served from this request's generation (`gateway.retries`).
     """
 
     context: RequestContext
@@ -189,6 +190,7 @@ class ModelCall:
     session: bytes | None = None
     engine: str | None = None
     background: bool = False
+    attaches: int = 0
 
     @property
     def reservation(self) -> Reservation | None:
