@@ -19,7 +19,7 @@ from aiohttp import web
 
 from gateway.errors import RateLimited
 from gateway.ratelimit import Reservation
-from gateway.state import BUDGETS, METRICS, UPSTREAM, ModelCall
+from gateway.state import BUDGETS, ENGINES, METRICS, ModelCall
 
 log = structlog.get_logger("gateway.budget")
 
@@ -44,7 +44,9 @@ async def reserve_budgets(request: web.Request, call: ModelCall) -> Reservation:
         if plan.prompt_exact or refused.limit not in ("tokens", "insufficient_quota"):
             raise
         started = time.monotonic()
-        count = await request.app[UPSTREAM].count_prompt(plan.body, timeout=EXACT_COUNT_TIMEOUT_S)
+        fleet = request.app[ENGINES]
+        counter = fleet.counter(fleet.affinity.home(call.session))
+        count = await counter.count_prompt(plan.body, timeout=EXACT_COUNT_TIMEOUT_S)
         log.info(
             "prompt_counted",
             ceiling=plan.prompt_ceiling,
