@@ -52,6 +52,7 @@ from gateway.responses_api import (
     make_store,
     responses_dialect,
 )
+from gateway.retries import FLIGHTS, Flights
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
@@ -138,6 +139,7 @@ def create_app(
     # fleet's state (gateway.engines); their sessions open with the app (_upstream_ctx).
     app[ENGINES] = Engines(specs, metrics, clock, app[ENGINE_STATE], app[ADMISSION], quarantine)
     app[DIALECTS] = {}
+    app[FLIGHTS] = Flights(clock, metrics.registry)
     app[FINISH_HOOKS] = []
 
     def on_reload(new_settings: Settings, new_keys: KeySet) -> None:

@@ -240,6 +240,26 @@ class ResponsesSettings:
 
 
 @dataclass(frozen=True)
+class RetriesSettings:
+    """``[retries]``: retries attach to the generation they repeat (`gateway.retries`).
+
+    ``idempotency_ttl_s``: how long after its end a request with an ``Idempotency-Key`` is
+    replayed to the same key (24 h, as common API practice). ``retry_window_s``: how long an
+    answer nobody received is kept for a marked SDK retry or a resend. ``orphan_grace_s``: how
+    long a generation at the engine keeps running after its last client left, for a retry to
+    attach (0: cancelled at once, as without retries). ``buffer_bytes``: the most of one answer
+    kept for attaching and replay; ``max_bytes``: all kept answers together.
+    """
+
+    enabled: bool = True
+    idempotency_ttl_s: float = 86_400.0
+    retry_window_s: float = 60.0
+    orphan_grace_s: float = 10.0
+    buffer_bytes: int = 4_194_304
+    max_bytes: int = 67_108_864
+
+
+@dataclass(frozen=True)
 class ThinkingSettings:
     """``[thinking]``: the mode used when neither the request nor the tenant decides."""
 
@@ -406,6 +426,7 @@ class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     thinking: ThinkingSettings = field(default_factory=ThinkingSettings)
     responses: ResponsesSettings = field(default_factory=ResponsesSettings)
+    retries: RetriesSettings = field(default_factory=RetriesSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     ratelimit: RatelimitSettings = field(default_factory=RatelimitSettings)
     ledger: LedgerSettings = field(default_factory=LedgerSettings)
@@ -468,6 +489,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelSettings,
     "thinking": ThinkingSettings,
     "responses": ResponsesSettings,
+    "retries": RetriesSettings,
     "auth": AuthSettings,
     "ratelimit": RatelimitSettings,
     "ledger": LedgerSettings,

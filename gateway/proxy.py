@@ -42,6 +42,15 @@ from gateway.failover import EngineStalled
 from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler, credential
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
+from gateway.retries import (
+    FLIGHTS,
+    RETRY_COUNT_HEADER,
+    body_digest,
+    follow,
+    idempotency_key,
+    lead,
+    retry_count,
+)
 from gateway.settling import release_ticket, run_to_end, settle, take_baseline
 from gateway.state import (
     ADMISSION,
@@ -86,8 +95,9 @@ def open_call(request: web.Request, dialect: Dialect) -> ModelCall:
     return call
 
 
-async def plan_call(request: web.Request, call: ModelCall) -> None:
-    """Read and parse the body, then let the dialect validate and rewrite it (``call.plan``).
+async def plan_call(request: web.Request, call: ModelCall) -> bytes:
+    """Read and parse the body, then let the dialect validate and rewrite it (``call.plan``);
+    returns the body's bytes as received (after any ``Content-Encoding``).
 
     Raises:
         PayloadTooLarge, RequestTimeout, BadRequest: the body could not be read or parsed.
@@ -110,13 +120,15 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
     )
     with unplannable_as_400():
         call.plan = call.dialect.plan(given)
+    return raw
 
 
 async def handle_model_request(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     """One model request from its body to its settled usage (the stages in the module doc).
 
     During a drain (`gateway.drain`) a new request is refused at once with 503 and
-    ``Retry-After``, before its body is read or any limit is touched.
+    ``Retry-After``, before its body is read or any limit is touched. A retry of a request
+    already running or answered attaches to it (`gateway.retries`) instead of running again.
     """
     app = request.app
     call = open_call(request, dialect)
@@ -124,7 +136,24 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
         error = Drain.error()
         error.headers["Connection"] = "close"
         raise error
-    await plan_call(request, call)
+    raw = await plan_call(request, call)
+    settings = call.settings.retries
+    if not settings.enabled:
+        return await run_call(request, call)
+    flights = app[FLIGHTS]
+    digest = body_digest(call.context.route, raw)
+    key = idempotency_key(request)
+    tenant = call.caller.tenant.name
+    found, match = flights.find(settings, tenant, digest, key, retry_count(request))
+    if found is not None:
+        return await follow(request, call, found, match)
+    flight = flights.open(settings, call, digest, key, RETRY_COUNT_HEADER in request.headers)
+    return await lead(request, call, flight, lambda: run_call(request, call))
+
+
+async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
+    """The planned request through quarantine, budgets, the queue and the engine."""
+    app = request.app
     plan = call.plan
     assert plan is not None
     quarantine = app[QUARANTINE]
@@ -195,6 +224,7 @@ def record_call(accounting: Accounting, context: RequestContext) -> None:
         duration_s=context.duration_s or 0.0,
         request_id=context.request_id,
         engine=call.engine,
+        attaches=call.attaches,
     )
 
 
