@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.affinity import Affinity, session_key
 from gateway.body import client_body, unplannable_as_400
 from gateway.body_memory import BodyHold, read_held
 from gateway.config import Settings
@@ -163,6 +164,7 @@ async def _count_tokens(
     settings = request[CONTEXT].live.settings
     raw = await read_held(request, app[BODY_MEMORY], memory_hold, settings.server, caller.label)
     client = client_body(raw, credential(request, ANTHROPIC))
+    del raw  # held only while parsed (`gateway.body_memory`)
     with unplannable_as_400():
         translated = translate_messages(
             client, max_model_len=settings.engine.max_model_len, count_only=True
@@ -174,6 +176,8 @@ async def _count_tokens(
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
+    fleet, session = app[ENGINES], session_key(request.headers, client)
+    home = fleet.affinity.home(Affinity.digest(caller.tenant.name, session)) if session else None
     budgets = app[BUDGETS]
     hold = await budgets.reserve(caller.tenant, 0, quotas=False)
     reservation = hold.rate
@@ -186,10 +190,8 @@ async def _count_tokens(
         }
         if translated.chat.get("tools"):
             body["tools"] = translated.chat["tools"]
-        answer = (
-            await app[ENGINES]
-            .any_ready()
-            .post("/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex)
+        answer = await fleet.counter(home).post(
+            "/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex
         )
         if answer.status != 200:
             raise await answer.error()

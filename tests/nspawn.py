@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from engine.procgroup import start_ticks
 from tests.deploylive import CACHE
 
 # Room for Debian (300 MB), the image tarball and the image loaded from it (about 1 GB each).
@@ -35,6 +36,7 @@ class Machine:
         self.name = name
         self.proc: subprocess.Popen[bytes] | None = None
         self.leader = 0
+        self.leader_started: int | None = None
         self.boots = 0
         self.console = root.parent / f"{name}.console"
 
@@ -65,6 +67,7 @@ class Machine:
         deadline = started + timeout
         while not self.leader:
             self.leader = self._find_leader()
+            self.leader_started = start_ticks(self.leader) if self.leader else None
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"nspawn did not start:\n{self.console_tail()}")
             time.sleep(0.1)
@@ -134,7 +137,8 @@ class Machine:
 
     def kill(self) -> None:
         """End the container at once: SIGKILL to its PID 1, then to nspawn."""
-        if self.leader:
+        # Only while the pid is still the container's PID 1 (not a process that took it since).
+        if self.leader and start_ticks(self.leader) == self.leader_started:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.leader, signal.SIGKILL)
         if self.proc is not None:
