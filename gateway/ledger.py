@@ -414,6 +414,7 @@ class Ledger:
             return False
         self.written += len(batch)
         self._unwritten = 0
+        self._log_dropped()  # what arrived past the bound while this write hung
         self._metrics_each = False
         self._metrics.ledger_written(len(batch))
         self._metrics.ledger_pending_records(len(self._queue))
