@@ -24,6 +24,7 @@ from gateway.budgets import Budgets
 from gateway.config import Settings
 from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
+from gateway.deadline import Forecaster
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
 from gateway.engine_watch import check_drift
@@ -52,6 +53,7 @@ from gateway.responses_api import (
     make_store,
     responses_dialect,
 )
+from gateway.retries import FLIGHTS, Flights
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
@@ -63,6 +65,7 @@ from gateway.state import (
     ENGINE_STATE,
     ENGINES,
     FINISH_HOOKS,
+    FORECASTER,
     IDLE_COUNTERS,
     LIMITER,
     LIVE,
@@ -126,6 +129,8 @@ def create_app(
         engines=[(spec.name, spec.max_concurrency) for spec in specs],
         affinity_load_factor=settings.engine.affinity_load_factor,
     )
+    app[FORECASTER] = Forecaster(metrics, clock)
+    app[FORECASTER].export(settings.deadline)
     app[QUARANTINE] = quarantine = Quarantine(
         settings.quarantine,
         fingerprint_key(app[LIVE].current.salt_secret),
@@ -138,6 +143,7 @@ def create_app(
     # fleet's state (gateway.engines); their sessions open with the app (_upstream_ctx).
     app[ENGINES] = Engines(specs, metrics, clock, app[ENGINE_STATE], app[ADMISSION], quarantine)
     app[DIALECTS] = {}
+    app[FLIGHTS] = Flights(clock, metrics.registry)
     app[FINISH_HOOKS] = []
 
     def on_reload(new_settings: Settings, new_keys: KeySet) -> None:
@@ -215,7 +221,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     """Each engine's session and health poller (`Engines.start`), the drift check of each, the
     quarantine file's watcher, the engine's idle counters (one engine of one slot) and the
     answer worker. ``UPSTREAM`` is the first engine's session (requests that need no slot pick
-    a ready engine through `Engines.any_ready`)."""
+    an engine in rotation through `Engines.counter`)."""
     fleet = app[ENGINES]
     fleet.start(lambda: app[LIVE].current.settings.engine)
     app[UPSTREAM] = upstream = fleet.upstream(None)

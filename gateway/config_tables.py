@@ -40,6 +40,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "engine.min_tokens_per_s": (0, 100_000),
     "engine.pool_idle_s": (0.1, 4.9),
     "engine.health_interval_s": (0.05, 600),
+    "engine.rotation_timeout_s": (0.01, 600),
     "engine.unhealthy_after_s": (0, 3600),
     "engine.queued_comment_after_s": (0, 3600),
     "engine.drift_check_interval_s": (0.1, 86_400),
@@ -50,6 +51,11 @@ RANGES: dict[str, tuple[float, float]] = {
     "responses.store_max_items": (1, 10_000_000),
     "responses.store_max_bytes": (1024, 1 << 40),
     "responses.store_ttl_s": (1, 31_536_000),
+    "retries.idempotency_ttl_s": (1, 604_800),
+    "retries.retry_window_s": (0, 86_400),
+    "retries.orphan_grace_s": (0, 600),
+    "retries.buffer_bytes": (65_536, 1 << 32),
+    "retries.max_bytes": (1 << 20, 1 << 40),
     "auth.jwt_leeway_s": (0, 3600),
     "auth.jwt_max_ttl_s": (1, 31_536_000),
     "auth.reload_poll_s": (0.05, 60),
@@ -73,6 +79,10 @@ RANGES: dict[str, tuple[float, float]] = {
     "tenant.max_tokens": (1, 1 << 24),
     "tenant.tokens_per_day": (0, 10**15),
     "tenant.tokens_per_month": (0, 10**15),
+    "tenant.deadline_s": (0, 86_400),
+    "deadline.decode_tokens_per_s": (0.1, 100_000),
+    "deadline.prefill_tokens_per_s": (1, 10_000_000),
+    "deadline.expected_output_tokens": (1, 1 << 24),
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -32,9 +32,9 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = 3
-"""1: the first table; 2: ``record_id`` (the outbox's key); 3: ``engine``. Older files are
-completed in place at the first open (`connect`)."""
+SCHEMA_VERSION = 4
+"""1: the first table; 2: ``record_id`` (the outbox's key); 3: ``engine``; 4: ``attaches``.
+Older files are completed in place at the first open (`connect`)."""
 _BUSY_TIMEOUT_MS = 5000
 _PRUNE_BATCH = 10_000
 _RETRY_MAX_S = 5.0
@@ -59,7 +59,8 @@ CREATE TABLE IF NOT EXISTS usage (
     duration_s REAL NOT NULL,
     request_id TEXT NOT NULL,
     record_id TEXT,
-    engine TEXT
+    engine TEXT,
+    attaches INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 CREATE INDEX IF NOT EXISTS usage_tenant_day ON usage (tenant, day);
@@ -107,6 +108,8 @@ class UsageRecord:
             exactly once (a client may send the same ``x-request-id`` twice).
         engine: the name of the engine the request was sent to (``[[engines]]`` ``name``, or
             ``default``), None when it never reached one.
+        attaches: retries answered from this request's generation while it ran
+            (`gateway.retries`); they have no record of their own and are not charged.
     """
 
     ts: float
@@ -125,6 +128,7 @@ class UsageRecord:
     request_id: str
     record_id: str = field(default_factory=new_record_id)
     engine: str | None = None
+    attaches: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -172,6 +176,8 @@ def connect(path: str | os.PathLike[str]) -> sqlite3.Connection:
         conn.execute(_RECORD_ID_INDEX)
         if "engine" not in have:  # an older file: its records name no engine
             conn.execute("ALTER TABLE usage ADD COLUMN engine TEXT")
+        if "attaches" not in have:  # an older file: no request of it was attached to
+            conn.execute("ALTER TABLE usage ADD COLUMN attaches INTEGER NOT NULL DEFAULT 0")
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.commit()
     except BaseException:

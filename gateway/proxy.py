@@ -28,6 +28,7 @@ from gateway.accounting import Accounting
 from gateway.affinity import Affinity, session_key
 from gateway.body import client_body, read_body, unplannable_as_400
 from gateway.budget import reserve_budgets
+from gateway.deadline import door_check, enqueued, finished, predict
 from gateway.dialects import Dialect, PlanInput
 from gateway.drain import Drain
 from gateway.errors import (
@@ -38,9 +39,19 @@ from gateway.errors import (
     GatewayTimeout,
     RequestQuarantined,
 )
+from gateway.failover import EngineStalled
 from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler, credential
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
+from gateway.retries import (
+    FLIGHTS,
+    RETRY_COUNT_HEADER,
+    body_digest,
+    follow,
+    idempotency_key,
+    lead,
+    retry_count,
+)
 from gateway.settling import release_ticket, run_to_end, settle, take_baseline
 from gateway.state import (
     ADMISSION,
@@ -50,6 +61,7 @@ from gateway.state import (
     DRAIN,
     ENGINE_STATE,
     ENGINES,
+    FORECASTER,
     METRICS,
     QUARANTINE,
     UPSTREAM,
@@ -85,8 +97,9 @@ def open_call(request: web.Request, dialect: Dialect) -> ModelCall:
     return call
 
 
-async def plan_call(request: web.Request, call: ModelCall) -> None:
-    """Read and parse the body, then let the dialect validate and rewrite it (``call.plan``).
+async def plan_call(request: web.Request, call: ModelCall) -> bytes:
+    """Read and parse the body, then let the dialect validate and rewrite it (``call.plan``);
+    returns the body's bytes as received (after any ``Content-Encoding``).
 
     Raises:
         PayloadTooLarge, RequestTimeout, BadRequest: the body could not be read or parsed.
@@ -109,13 +122,15 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
     )
     with unplannable_as_400():
         call.plan = call.dialect.plan(given)
+    return raw
 
 
 async def handle_model_request(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     """One model request from its body to its settled usage (the stages in the module doc).
 
     During a drain (`gateway.drain`) a new request is refused at once with 503 and
-    ``Retry-After``, before its body is read or any limit is touched.
+    ``Retry-After``, before its body is read or any limit is touched. A retry of a request
+    already running or answered attaches to it (`gateway.retries`) instead of running again.
     """
     app = request.app
     call = open_call(request, dialect)
@@ -123,7 +138,24 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
         error = Drain.error()
         error.headers["Connection"] = "close"
         raise error
-    await plan_call(request, call)
+    raw = await plan_call(request, call)
+    settings = call.settings.retries
+    if not settings.enabled:
+        return await run_call(request, call)
+    flights = app[FLIGHTS]
+    digest = body_digest(call.context.route, raw)
+    key = idempotency_key(request)
+    tenant = call.caller.tenant.name
+    found, match = flights.find(settings, tenant, digest, key, retry_count(request))
+    if found is not None:
+        return await follow(request, call, found, match)
+    flight = flights.open(settings, call, digest, key, RETRY_COUNT_HEADER in request.headers)
+    return await lead(request, call, flight, lambda: run_call(request, call))
+
+
+async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
+    """The planned request through quarantine, budgets, the queue and the engine."""
+    app = request.app
     plan = call.plan
     assert plan is not None
     quarantine = app[QUARANTINE]
@@ -133,6 +165,8 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
+    forecaster = app[FORECASTER]
+    door_check(call, app[ADMISSION], forecaster, request.headers)  # before any limit is taken
 
     reservation = await reserve_budgets(request, call)
     plan = call.plan
@@ -143,6 +177,7 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     try:
         tenant = call.caller.tenant
         home = app[ENGINES].affinity.home(call.session)
+        forecast = predict(call, app[ADMISSION], forecaster)
         ticket = app[ADMISSION].enqueue(
             tenant.name,
             tenant.weight,
@@ -152,11 +187,15 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
             background=call.background,
         )
         call.ticket = ticket
+        enqueued(call, forecaster, forecast)
         try:
             with app[DRAIN].track():
                 return await admit_and_call(request, call)
         finally:
-            await run_to_end(release_ticket(request, call, ticket))
+            try:
+                await run_to_end(release_ticket(request, call, ticket))
+            finally:
+                finished(call, forecaster)
     except GatewayError as exc:
         for name, value in reservation.headers.items():
             exc.headers.setdefault(name, value)
@@ -194,6 +233,7 @@ def record_call(accounting: Accounting, context: RequestContext) -> None:
         duration_s=context.duration_s or 0.0,
         request_id=context.request_id,
         engine=call.engine,
+        attaches=call.attaches,
     )
 
 
@@ -217,6 +257,7 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
         else:
             await ticket.wait(None)
         call.queued_s = ticket.waited_s
+        app[FORECASTER].started(ticket)
         state = app[ENGINE_STATE]
         if not state.ready:
             remaining = max(0.0, engine.queue_timeout_s - ticket.waited_s)
@@ -361,8 +402,7 @@ async def _call_engine(
     while True:
         posting = False
         name = call.ticket.engine
-        upstream = fleet.upstream(name)
-        state = fleet.state(name)
+        upstream, state = fleet.upstream(name), fleet.state(name)
         try:
             if fingerprint is not None:
                 quarantine.check(fingerprint, call.caller.label)  # quarantined while waiting
@@ -374,7 +414,8 @@ async def _call_engine(
             if name is not None:
                 app[METRICS].engine_requests.labels(name).inc()
                 fleet.affinity.served(call.session, name)
-            answer = await upstream.post(
+            answer = await fleet.post(
+                name,
                 call.dialect.engine_path,
                 call.plan.body,
                 call.engine_request_id,
@@ -392,7 +433,8 @@ async def _call_engine(
             if token is not None:
                 quarantine.finished(token, dropped=sent)
                 token = None
-            state.set("down", "connection dropped" if sent else "connection refused")
+            if not isinstance(exc, EngineStalled):
+                state.set("down", "connection dropped" if sent else "connection refused")
             error: GatewayError = exc
             if sent:
                 if not retried and fingerprint is not None and not _hang_kill(call, name or ""):

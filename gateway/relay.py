@@ -9,7 +9,7 @@ give up on a client that stopped reading, one final error event after the header
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
@@ -53,6 +53,32 @@ class Beat(Protocol):
         """Send ``keepalive`` or a progress event; raises ConnectionResetError if the client left."""
 
 
+class Tap(Protocol):
+    """A record of what a stream sends, for other connections to read (`gateway.flight.Flight`).
+
+    ``detached``: the stream's own client is gone but the generation goes on; nothing is
+    written to its connection any more, only to the tap.
+    """
+
+    detached: bool
+
+    def opened(self, status: int, headers: Mapping[str, str]) -> None:
+        """The status line and headers."""
+
+    def sent(self, data: bytes) -> None:
+        """Bytes written."""
+
+    def ended(self) -> None:
+        """The stream ended."""
+
+    def lost(self) -> bool:
+        """The client went away: True when the stream goes on without it (detached)."""
+
+
+TAP = web.RequestKey("tap", Tap)
+"""The request's `Tap`, set by `gateway.retries.lead` for a stream others may attach to."""
+
+
 class ClientStalled(ConnectionResetError):
     """The client left a stream unread longer than ``server.client_write_timeout_s``."""
 
@@ -65,11 +91,12 @@ class ClientStream:
         call: the model call (its snapshot gives the write timeout, its dialect the error shape).
     """
 
-    __slots__ = ("_call", "_request", "_timeout", "relay", "response")
+    __slots__ = ("_call", "_request", "_timeout", "relay", "response", "tap")
 
     def __init__(self, request: web.Request, call: ModelCall) -> None:
         self._request = request
         self._call = call
+        self.tap = request.get(TAP)
         self._timeout = call.settings.server.client_write_timeout_s
         self.response: web.StreamResponse | None = None
         self.relay: StreamRelay | None = None  # made when the stream opens (queued or answered)
@@ -82,7 +109,15 @@ class ClientStream:
                 headers.update(self._call.dialect.limit_headers(self._call.reservation.headers))
             response = web.StreamResponse(status=200, headers=headers)
             response.headers["x-request-id"] = self._call.context.request_id
-            await response.prepare(self._request)
+            tap = self.tap
+            if tap is not None:
+                tap.opened(response.status, response.headers)
+            if tap is None or not tap.detached:
+                try:
+                    await response.prepare(self._request)
+                except ConnectionResetError:
+                    if tap is None or not tap.lost():
+                        raise
             self.response = response
         return self.response
 
@@ -97,6 +132,20 @@ class ClientStream:
             ConnectionResetError: the client went away (`ClientStalled` when it stopped reading).
         """
         response = self.response or await self.start()
+        tap = self.tap
+        if tap is None:
+            await self._write(response, data)
+            return
+        tap.sent(data)
+        if tap.detached:
+            return
+        try:
+            await self._write(response, data)
+        except ConnectionResetError:
+            if not tap.lost():
+                raise
+
+    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
         transport = self._request.transport
         if transport is None or (
             not transport.get_write_buffer_size()
@@ -113,8 +162,17 @@ class ClientStream:
     async def end(self, tail: bytes) -> web.StreamResponse:
         """The last bytes and the chunked terminator in one write; status 200 for the log."""
         response = self.response or await self.start()
-        await response.write_eof(tail)
+        tap = self.tap
+        if tap is not None:
+            tap.sent(tail)
+            tap.ended()
         self._call.context.status = 200
+        if tap is None or not tap.detached:
+            try:
+                await response.write_eof(tail)
+            except ConnectionResetError:
+                if tap is None or not tap.lost():
+                    raise
         return response
 
     async def end_with_error(self, error: GatewayError) -> web.StreamResponse:
@@ -133,6 +191,12 @@ class ClientStream:
         context.reason = context.reason or error.reason
         render = getattr(self.relay, "error_event", None)  # a relay that knows what was sent
         event = render(error) if render is not None else self._call.dialect.error_event(error)
+        tap = self.tap
+        if tap is not None:
+            tap.sent(event)
+            tap.ended()
+            if tap.detached:
+                return response
         try:
             await response.write(event)
             await response.write_eof()

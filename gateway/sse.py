@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -58,7 +58,10 @@ class RelayState:
         content_events: data events other than the first (role) chunk, usage and errors; an upper
             bound of tokens streamed, used only when the engine never sent usage (a drop).
         usage: the engine's final usage, once its usage-only chunk (``choices: []``) was seen.
-        running: the engine's running usage (tokens streamed so far), once a chunk carried one.
+        running: the engine's running usage (tokens streamed so far), once a chunk carried one;
+            read from `running_raw` when asked (once per stream), not per chunk.
+        running_raw: choice index -> the bytes of the last ``,"usage":{...}`` that choice's
+            chunks carried (to the end of the chunk), kept as received.
         done: the engine sent ``[DONE]``.
         finished_choices: ``finish_reason`` values seen (one per choice at a normal end).
         error: the error object of an in-stream error event, if any.
@@ -68,11 +71,23 @@ class RelayState:
     events: int = 0
     content_events: int = 0
     usage: EngineUsage | None = None
-    running: RunningUsage | None = None
+    running_raw: dict[int, bytes] = field(default_factory=dict)
     done: bool = False
     finished_choices: int = 0
     error: dict[str, Any] | None = None
     dropped_events: int = 0
+
+    @property
+    def running(self) -> RunningUsage | None:
+        """The running usage of the last chunk of each choice, None when none was readable."""
+        running = None
+        for index, raw in sorted(self.running_raw.items()):
+            usage = read_usage_tail(raw)
+            if usage is not None:
+                if running is None:
+                    running = RunningUsage()
+                running.observe(usage, index)
+        return running
 
 
 class SseRelay:
@@ -212,12 +227,14 @@ class SseRelay:
             return None
         if b'"usage":' in chunk:
             if events == 1:
-                chunk = data_event(self._take_running_usage(chunk[6:-2]))
-            else:
+                chunk = self._take_running_usage(chunk)  # the framing is left as it is
+            elif not self._running_of_run(chunk, events):
                 chunk = b"".join(
                     data_event(self._take_running_usage(event[6:]))
                     for event in chunk[:-2].split(b"\n\n")
                 )
+            elif not self._wants_running:
+                chunk = _USAGE_OBJECT.sub(b"", chunk)
         state.content_events += events if state.events else events - 1
         state.events += events
         state.finished_choices += chunk.count(b'"finish_reason":"')
@@ -312,60 +329,81 @@ class SseRelay:
         if usage is not None:
             self.state.usage = usage
 
+    def _running_of_run(self, chunk: bytes, events: int) -> bool:
+        """Record the running usage of a run of ``events`` single-choice events in one pass: True
+        when each event carries one ``usage`` object of vLLM's form, so that removing every
+        match of `_USAGE_OBJECT` removes exactly theirs; False to go event by event."""
+        if self._n != 1 or chunk.count(_USAGE_KEY) != events:
+            return False
+        if len(_USAGE_OBJECT.findall(chunk)) != events:
+            return False
+        self.state.running_raw[0] = chunk[chunk.rfind(_USAGE_KEY) : -2]
+        return True
+
     def _take_running_usage(self, payload: bytes) -> bytes:
-        """Record the running ``usage`` of one chunk; the chunk without it unless the client
-        asked for it (the bytes vLLM sends without ``continuous_usage_stats``)."""
-        flat = _flat_usage(payload)
-        seen: EngineUsage | None
-        if flat is not None:
-            start, end, seen = flat
-        else:
-            span = usage_span(payload)
-            if span is None:
-                return payload
-            start, end = span
-            try:
-                usage = json.loads(payload[start + 9 : end])  # after ',"usage":'
-            except ValueError:
-                usage = None
-            seen = parse_usage(usage)
-        if seen is not None:
-            running = self.state.running
-            if running is None:
-                running = self.state.running = RunningUsage()
-            running.observe(seen, _choice_index(payload) if self._n > 1 else 0)
+        """Record the running ``usage`` of one chunk (its bytes, read when the stream settles);
+        the chunk without it unless the client asked for it (the bytes vLLM sends without
+        ``continuous_usage_stats``)."""
+        start = payload.find(_USAGE_KEY)
+        if start < 0:
+            return payload
+        end = _usage_end(payload, start)
+        if end is None:
+            return payload
+        self.state.running_raw[_choice_index(payload) if self._n > 1 else 0] = payload[start:]
         if self._wants_running:
             return payload
         return payload[:start] + payload[end:]
 
 
 _USAGE_KEY = b',"usage":{'
+_USAGE_OBJECT = re.compile(
+    rb',"usage":\{(?:[^{}\[\]\\"]|"[^"\\]*"|\{(?:[^{}\[\]\\"]|"[^"\\]*")*\})*\}'
+)
+"""A ``usage`` object as vLLM writes it: counts, and objects of counts one level deep
+(``completion_tokens_details``); strings are skipped whole, so a brace in one is not taken for
+the end. No array and no escape (anything else is read by `usage_span`)."""
 
 
-def _flat_usage(payload: bytes) -> tuple[int, int, EngineUsage] | None:
-    """The running usage of a chunk when it is a flat object of counts (vLLM's form:
-    ``{"prompt_tokens":9,"total_tokens":12,"completion_tokens":3}``): its (start, end) byte
-    offsets and counts, read with a few byte operations instead of a scan and a JSON decode per
-    chunk; None for any other form (`usage_span` then reads it)."""
-    start = payload.find(_USAGE_KEY)
-    if start < 0:
+def _usage_end(payload: bytes, start: int) -> int | None:
+    """The offset just past the ``usage`` object whose key starts at ``start``, or None."""
+    match = _USAGE_OBJECT.match(payload, start)
+    if match is not None:
+        return match.end()
+    span = usage_span(payload[start:])
+    return start + span[1] if span is not None else None
+
+
+def read_usage_tail(raw: bytes) -> EngineUsage | None:
+    """The usage object at the start of ``raw`` (``,"usage":{...}`` and what followed it in
+    its chunk) as `EngineUsage`; None when it cannot be read.
+
+    vLLM's flat object of counts (``{"prompt_tokens":9,"total_tokens":12,"completion_tokens":
+    3}``) is read with a few byte operations; any other form is decoded as JSON.
+    """
+    end = _usage_end(raw, 0)
+    if end is None:
         return None
-    end = payload.find(b"}", start)
-    inner = payload[start + 10 : end]
-    if end < 0 or b"{" in inner or b"[" in inner or b"\\" in inner:
+    inner = raw[len(_USAGE_KEY) : end - 1]
+    if b"{" not in inner and b"[" not in inner and b"\\" not in inner:
+        prompt = completion = 0
+        for pair in inner.split(b","):
+            key, _, value = pair.partition(b":")
+            if not value.isdigit():
+                if value != b"null":
+                    break
+                continue
+            if key == b'"prompt_tokens"':
+                prompt = int(value)
+            elif key == b'"completion_tokens"':
+                completion = int(value)
+        else:
+            return EngineUsage(prompt, completion)
+    try:
+        usage = json.loads(raw[len(_USAGE_KEY) - 1 : end])
+    except ValueError:
         return None
-    prompt = completion = 0
-    for pair in inner.split(b","):
-        key, _, value = pair.partition(b":")
-        if not value.isdigit():
-            if value != b"null":
-                return None
-            continue
-        if key == b'"prompt_tokens"':
-            prompt = int(value)
-        elif key == b'"completion_tokens"':
-            completion = int(value)
-    return start, end + 1, EngineUsage(prompt, completion)
+    return parse_usage(usage)
 
 
 _CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')

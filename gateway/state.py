@@ -9,6 +9,7 @@ context as ``context.call``.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from gateway.budgets import Budgets, Hold
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
 from gateway.counters import Baseline, IdleCounters
 from gateway.credentials import KeySet
+from gateway.deadline import Forecaster
 from gateway.dialects import CHAT, Dialect
 from gateway.drain import Drain
 from gateway.engines import Engines
@@ -165,10 +167,12 @@ class ModelCall:
         fingerprint: the engine body's quarantine fingerprint (`gateway.quarantine`), or None
             while the quarantine is off.
         baseline: the engine's counters read just before the request was sent, taken only
-            while it holds the engine's only slot (`gateway.counters`); None otherwise.
+            while it holds the engine's only slot (`gateway.counters`), or a reading of them
+            under way since before it was sent (a future of the same); None otherwise.
         session: the request's session (`gateway.affinity.Affinity.digest`), or None.
         engine: the name of the engine the request was last sent to, once sent.
         background: the request said it is background work (`gateway.waiting.background_request`).
+        attaches: other connections served from this request's generation (`gateway.retries`).
     """
 
     context: RequestContext
@@ -182,10 +186,11 @@ class ModelCall:
     ttft_s: float | None = None
     fingerprint: str | None = None
     engine_request_id: str = ""
-    baseline: Baseline | None = None
+    baseline: Baseline | asyncio.Future[Baseline | None] | None = None
     session: bytes | None = None
     engine: str | None = None
     background: bool = False
+    attaches: int = 0
 
     @property
     def reservation(self) -> Reservation | None:
@@ -216,6 +221,7 @@ LIMITER = web.AppKey("limiter", RateLimiter)
 BUDGETS = web.AppKey("budgets", Budgets)
 ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)
+FORECASTER = web.AppKey("forecaster", Forecaster)
 QUARANTINE = web.AppKey("quarantine", Quarantine)
 RELOADER = web.AppKey("reloader", Reloader)
 CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")

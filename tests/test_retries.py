@@ -1,0 +1,308 @@
+"""Retries attach instead of duplicating (`gateway.retries`), in-process against the simulator.
+
+Each test drives the gateway app with pytest-aiohttp's client over the simulator's app on a
+Unix socket (`tests.inprocess`); the simulator's record of model requests is the count of
+generations, the finish hooks' contexts the ledger's records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gateway.flight import Flight
+from gateway.retries import FLIGHTS
+from gateway.state import ACCOUNTING, FINISH_HOOKS, METRICS, RequestContext
+from tests.conftest import ALIAS, KEY_B
+from tests.inprocess import AUTH_A, Stack, chat_body, open_stack, sse_data, until
+
+pytestmark = pytest.mark.fast
+
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+AUTH_B = {"Authorization": f"Bearer {KEY_B}"}
+SLOW = {"tokens_per_second": 20, "completion_tokens": 30}
+
+
+@pytest.fixture
+async def stack(aiohttp_client: Any) -> AsyncIterator[Stack]:
+    """The simulator (no pacing unless a body asks) and a gateway with a short orphan grace."""
+    config = {"retries": {"orphan_grace_s": 1.0}}
+    async with open_stack(aiohttp_client, config) as s:
+        yield s
+
+
+def recorded(stack: Stack) -> list[RequestContext]:
+    """Collect the finished model requests that would write a ledger record."""
+    seen: list[RequestContext] = []
+    stack.app[FINISH_HOOKS].append(lambda c: seen.append(c) if c.call is not None else None)
+    return seen
+
+
+def matches(stack: Stack, match: str, outcome: str) -> float:
+    """``gateway_retries_total`` for one match and outcome."""
+    registry = stack.app[METRICS].registry
+    value = registry.get_sample_value("gateway_retries_total", {"match": match, "outcome": outcome})
+    return value or 0.0
+
+
+def generations(stack: Stack) -> int:
+    """Model requests the simulator received."""
+    assert stack.sim is not None
+    return len(stack.sim.model_records())
+
+
+async def test_idempotency_key_replays_finished_answer(stack: Stack) -> None:
+    """The same key and body after the answer replays it: same body, one generation, one record."""
+    seen = recorded(stack)
+    headers = {**AUTH_A, "Idempotency-Key": "order-1"}
+    body = chat_body(max_tokens=8)
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    assert first.status == 200
+    text = await first.read()
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    assert second.status == 200
+    assert await second.read() == text
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert second.headers["x-request-id"] != first.headers["x-request-id"]
+    assert generations(stack) == 1
+    assert len(seen) == 1
+    assert matches(stack, "key", "replay") == 1
+
+
+async def test_reused_key_with_another_body_is_409_in_each_dialect(stack: Stack) -> None:
+    """A key reused with a different body is 409, OpenAI's shape on chat, Anthropic's on messages."""
+    headers = {**AUTH_A, "Idempotency-Key": "k-409"}
+    ok = await stack.client.post(CHAT, json=chat_body(max_tokens=4), headers=headers)
+    assert ok.status == 200
+    other = await stack.client.post(CHAT, json=chat_body(max_tokens=5), headers=headers)
+    assert other.status == 409
+    assert other.headers["x-should-retry"] == "false"
+    error = (await other.json())["error"]
+    assert error["code"] == "idempotency_key_reused"
+    assert error["type"] == "invalid_request_error"
+    body = {"model": ALIAS, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"x-api-key": headers["Authorization"][7:], "Idempotency-Key": "k-409m"}
+    assert (await stack.client.post(MESSAGES, json=body, headers=headers)).status == 200
+    conflict = await stack.client.post(MESSAGES, json={**body, "max_tokens": 5}, headers=headers)
+    assert conflict.status == 409
+    shaped = await conflict.json()
+    assert shaped["type"] == "error"
+    assert shaped["error"]["type"] == "invalid_request_error"
+    assert "different request body" in shaped["error"]["message"]
+    assert "k-409m" not in json.dumps(shaped)
+    assert generations(stack) == 2
+    assert matches(stack, "key", "conflict") == 2
+
+
+async def test_key_is_per_tenant(stack: Stack) -> None:
+    """Another tenant's request with the same key and body runs on its own."""
+    body = chat_body(max_tokens=4)
+    for auth in (AUTH_A, AUTH_B):
+        reply = await stack.client.post(CHAT, json=body, headers={**auth, "Idempotency-Key": "x"})
+        assert reply.status == 200
+        assert "Idempotent-Replayed" not in reply.headers
+    assert generations(stack) == 2
+
+
+async def test_stream_attach_gets_whole_stream_from_its_start(stack: Stack) -> None:
+    """A retry attaching mid-stream gets the stream from its first byte: the same bytes."""
+    seen = recorded(stack)
+    headers = {**AUTH_A, "Idempotency-Key": "stream-1"}
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    assert first.status == 200
+    head = await first.content.readuntil(b"\n\n")
+    head += await first.content.readuntil(b"\n\n")
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    assert second.status == 200
+    assert second.headers["Idempotent-Replayed"] == "true"
+    rest = await first.read()
+    attached = await second.read()
+    assert attached == head + rest
+    assert sse_data(attached)[-1] == "[DONE]"
+    assert generations(stack) == 1
+    assert await until(lambda: len(seen) == 1)
+    assert seen[0].call is not None and seen[0].call.attaches == 1
+    assert matches(stack, "key", "attach") == 1
+
+
+async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None:
+    """The first client closing does not cancel a generation another connection reads."""
+    seen = recorded(stack)
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    await first.content.readuntil(b"\n\n")
+    retry = {**AUTH_A, "x-stainless-retry-count": "1"}
+    second = await stack.client.post(CHAT, json=body, headers=retry)
+    assert second.status == 200
+    first.close()
+    events = sse_data(await second.read())
+    assert events[-1] == "[DONE]"
+    assert generations(stack) == 1
+    assert await until(lambda: len(seen) == 1)
+    call = seen[0].call
+    assert call is not None and call.attaches == 1 and call.usage.completion_tokens == 30
+    assert seen[0].status == 200
+    assert matches(stack, "sdk_retry", "attach") == 1
+
+
+async def test_all_clients_gone_cancels_after_grace(stack: Stack) -> None:
+    """When every attached client left, the generation is cancelled after the orphan grace."""
+    seen = recorded(stack)
+    body = chat_body(stream=True, max_tokens=200, sim={"tokens_per_second": 20})
+    headers = {**AUTH_A, "Idempotency-Key": "gone"}
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    await first.content.readuntil(b"\n\n")
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    await second.content.readuntil(b"\n\n")
+    first.close()
+    second.close()
+    assert await until(lambda: len(seen) == 1, timeout=5.0)
+    assert seen[0].status == 499
+    call = seen[0].call
+    assert call is not None and 0 < (call.usage.completion_tokens or 0) < 200
+    assert len(stack.app[FLIGHTS]) == 0
+
+
+async def test_unmarked_identical_body_runs_separately_while_first_is_connected(
+    stack: Stack,
+) -> None:
+    """Two connected clients sending the same body each get their own generation."""
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    await first.content.readuntil(b"\n\n")
+    second = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    assert "Idempotent-Replayed" not in second.headers
+    await asyncio.gather(first.read(), second.read())
+    assert generations(stack) == 2
+
+
+async def test_unmarked_resend_attaches_to_orphaned_generation(stack: Stack) -> None:
+    """An unmarked resend after an SDK's non-streamed request lost its client attaches to it."""
+    body = chat_body(max_tokens=30, sim=SLOW)
+    sdk = {**AUTH_A, "x-stainless-retry-count": "0"}
+    first = asyncio.ensure_future(stack.client.post(CHAT, json=body, headers=sdk))
+    assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+    await asyncio.sleep(0.3)
+    first.cancel()
+    await asyncio.sleep(0.2)
+    second = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    assert second.status == 200
+    assert second.headers.get("Idempotent-Replayed") == "true"
+    assert (await second.json())["usage"]["completion_tokens"] == 30
+    assert generations(stack) == 1
+    assert matches(stack, "resend", "attach") == 1
+
+
+async def test_stream_without_key_is_cancelled_when_its_client_leaves(stack: Stack) -> None:
+    """A stream without a key is aborted at the engine as soon as its client leaves (no grace)."""
+    seen = recorded(stack)
+    body = chat_body(stream=True, max_tokens=200, sim={"tokens_per_second": 20})
+    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    await first.content.readuntil(b"\n\n")
+    first.close()
+    assert await until(lambda: len(seen) == 1, timeout=0.9)
+    assert seen[0].status == 499
+
+
+async def test_engine_5xx_is_not_replayed(stack: Stack) -> None:
+    """An engine failure is not kept: the same key runs again."""
+    headers = {**AUTH_A, "Idempotency-Key": "fails"}
+    body = chat_body(max_tokens=8, sim={"error_after": 2})
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    assert first.status >= 500
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    assert second.status >= 500
+    assert "Idempotent-Replayed" not in second.headers
+    assert generations(stack) == 2
+
+
+async def test_non_streamed_retries_share_one_generation(stack: Stack) -> None:
+    """Non-streamed: a retry while the first runs gets the same answer; one record, attaches 1."""
+    seen = recorded(stack)
+    body = chat_body(max_tokens=20, sim={"tokens_per_second": 20, "completion_tokens": 20})
+    first = asyncio.ensure_future(stack.client.post(CHAT, json=body, headers=AUTH_A))
+    assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+    await asyncio.sleep(0.2)
+    second = await stack.client.post(
+        CHAT, json=body, headers={**AUTH_A, "x-stainless-retry-count": "1"}
+    )
+    one = await (await first).json()
+    two = await second.json()
+    assert one == two
+    assert generations(stack) == 1
+    assert await until(lambda: len(seen) == 1)
+    assert seen[0].call is not None and seen[0].call.attaches == 1
+    accounting = stack.app[ACCOUNTING]
+    assert accounting.ledger is not None
+    accounting.ledger.flush()
+    path = stack.app[ACCOUNTING].ledger.path  # type: ignore[union-attr]
+    rows = sqlite3.connect(path).execute("SELECT attaches FROM usage").fetchall()
+    assert rows == [(1,)]
+
+
+async def test_buffer_is_bounded(aiohttp_client: Any) -> None:
+    """A stream longer than retries.buffer_bytes holds at most the bound; a key then gets 409."""
+    config = {"retries": {"buffer_bytes": 65_536}}
+    async with open_stack(aiohttp_client, config) as stack:
+        headers = {**AUTH_A, "Idempotency-Key": "big"}
+        sim = {"completion_tokens": 400, "token_bytes": 1000, "tokens_per_second": 200}
+        body = chat_body(stream=True, max_tokens=400, sim=sim)
+        first = await stack.client.post(CHAT, json=body, headers=headers)
+        flights = stack.app[FLIGHTS]
+        peak = 0
+        size = 0
+        async for chunk in first.content.iter_any():
+            size += len(chunk)
+            peak = max(peak, flights.bytes)
+        assert size > 300_000
+        assert peak <= 65_536
+        again = await stack.client.post(CHAT, json=body, headers=headers)
+        assert again.status == 409
+        assert (await again.json())["error"]["code"] == "idempotency_replay_unavailable"
+        assert generations(stack) == 1
+
+
+def test_flight_trims_to_its_bound() -> None:
+    """A cut flight keeps only what an attached follower has not written, within the bound."""
+    taken: list[int] = []
+
+    class Budget:
+        def take(self, size: int) -> bool:
+            taken.append(size)
+            return True
+
+        def give(self, size: int) -> None:
+            taken.append(-size)
+
+    flight = Flight(
+        request_id="r",
+        tenant="t",
+        digest=b"d",
+        key=None,
+        stream=True,
+        limit=1000,
+        budget=Budget(),
+        clock=lambda: 0.0,
+    )
+    follower = flight.join()
+    for _ in range(3):
+        flight.sent(b"x" * 300)
+    assert len(flight.pending(follower)) == 900
+    flight.sent(b"x" * 300)
+    flight.sent(b"x" * 300)
+    assert flight.cut and not flight.attachable
+    assert flight.size == 600
+    assert len(flight.pending(follower)) == 600
+    for _ in range(20):
+        flight.sent(b"y" * 300)
+        assert flight.size <= 1000 + 300
+    assert follower.lost
+    assert flight.size <= 1000
+    assert sum(taken) == flight.held() <= 1000
