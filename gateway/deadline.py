@@ -259,6 +259,7 @@ class Forecaster:
         error = actual - predicted
         direction = "late" if error >= 0 else "early"
         self._metrics.forecast_error.labels(direction).observe(abs(error))
+        log.debug("wait_forecast", predicted_start_s=round(predicted, 3), waited_s=round(actual, 3))
 
     def settled(
         self,
