@@ -217,7 +217,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     """Each engine's session and health poller (`Engines.start`), the drift check of each, the
     quarantine file's watcher, the engine's idle counters (one engine of one slot) and the
     answer worker. ``UPSTREAM`` is the first engine's session (requests that need no slot pick
-    a ready engine through `Engines.any_ready`)."""
+    an engine in rotation through `Engines.counter`)."""
     fleet = app[ENGINES]
     fleet.start(lambda: app[LIVE].current.settings.engine)
     app[UPSTREAM] = upstream = fleet.upstream(None)

@@ -26,7 +26,8 @@ from aiohttp import web
 
 from gateway.errors import RateLimited
 from gateway.ratelimit import Reservation
-from gateway.state import BUDGETS, METRICS, UPSTREAM, ModelCall
+from gateway.state import BUDGETS, ENGINES, METRICS, ModelCall
+from gateway.upstream import Upstream
 
 log = structlog.get_logger("gateway.budget")
 
@@ -52,7 +53,7 @@ async def reserve_budgets(request: web.Request, call: ModelCall) -> Reservation:
         if plan.prompt_exact or refused.limit not in ("tokens", "insufficient_quota"):
             raise
         started = time.monotonic()
-        count = await request.app[UPSTREAM].count_prompt(plan.body, timeout=EXACT_COUNT_TIMEOUT_S)
+        count = await _counter(request, call).count_prompt(plan.body, EXACT_COUNT_TIMEOUT_S)
         log.info(
             "prompt_counted",
             ceiling=plan.prompt_ceiling,
@@ -64,6 +65,13 @@ async def reserve_budgets(request: web.Request, call: ModelCall) -> Reservation:
         call.plan = plan.with_prompt_count(count)
         request.app[METRICS].prompt_counts.inc()
         return await _reserve(request, call)
+
+
+def _counter(request: web.Request, call: ModelCall) -> Upstream:
+    """The engine that counts the prompt: its session's engine while in rotation, else another
+    one in rotation (`gateway.engines.Engines.counter`)."""
+    fleet = request.app[ENGINES]
+    return fleet.counter(fleet.affinity.home(call.session))
 
 
 async def _reserve(request: web.Request, call: ModelCall) -> Reservation:
@@ -87,7 +95,7 @@ async def fit_default_output(request: web.Request, call: ModelCall) -> None:
     if field is None or plan.prompt_exact or plan.prompt_ceiling + plan.max_output <= context:
         return
     started = time.monotonic()
-    count = await request.app[UPSTREAM].count_prompt(plan.body, timeout=EXACT_COUNT_TIMEOUT_S)
+    count = await _counter(request, call).count_prompt(plan.body, EXACT_COUNT_TIMEOUT_S)
     log.info(
         "prompt_counted",
         ceiling=plan.prompt_ceiling,

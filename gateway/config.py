@@ -121,8 +121,13 @@ class EngineSettings:
     engine's ``vllm:num_requests_running`` (drift is logged).
     ``unhealthy_after_s``: how long ``/health`` probes must keep timing out (or failing without
     an answer) before a ready engine is marked down; a refused connection, a missing socket or a
-    non-200 answer marks it down at once (`gateway.engine_watch.poll_health`). Default 10 s: three
-    failed probes at the default 2 s interval, well above a loaded engine's slow ``/health``.
+    non-200 answer marks it down at once (`gateway.engine_watch.poll_health`). Default 10 s: at
+    least five failed probes of 1 s, well above a loaded engine's slow ``/health``.
+    ``health_interval_s``: seconds between two probes (0.5: vLLM's ``/health`` is a cheap answer
+    of its API server). ``rotation_timeout_s``: a probe unanswered this long, with no byte from
+    the engine meanwhile, takes the engine out of rotation for new requests until a probe
+    answers again: a hung engine is out within ``health_interval_s + rotation_timeout_s`` (0.8 s
+    by default); ``down`` (alerts, ``/ready``) still takes ``unhealthy_after_s``.
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
     headers, its dialect's opening events and keep-alives while it waits (`gateway.waiting`).
     ``queue_timeout_s``: the longest wait in that queue, 30 minutes by default so that agent
@@ -152,7 +157,8 @@ class EngineSettings:
     request_timeout_s: float = 0.0
     min_tokens_per_s: float = 5.0
     pool_idle_s: float = 4.0
-    health_interval_s: float = 2.0
+    health_interval_s: float = 0.5
+    rotation_timeout_s: float = 0.3
     unhealthy_after_s: float = 10.0
     queued_comment_after_s: float = 3.0
     ready_file: str = ""

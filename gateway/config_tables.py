@@ -40,6 +40,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "engine.min_tokens_per_s": (0, 100_000),
     "engine.pool_idle_s": (0.1, 4.9),
     "engine.health_interval_s": (0.05, 600),
+    "engine.rotation_timeout_s": (0.01, 600),
     "engine.unhealthy_after_s": (0, 3600),
     "engine.queued_comment_after_s": (0, 3600),
     "engine.drift_check_interval_s": (0.1, 86_400),

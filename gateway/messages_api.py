@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.affinity import Affinity, session_key
 from gateway.body import client_body, read_body, unplannable_as_400
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput, PromptCounter
@@ -161,6 +162,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
+    fleet, session = app[ENGINES], session_key(request.headers, client)
+    home = fleet.affinity.home(Affinity.digest(caller.tenant.name, session)) if session else None
     budgets = app[BUDGETS]
     hold = await budgets.reserve(caller.tenant, 0, quotas=False)
     reservation = hold.rate
@@ -173,10 +176,8 @@ async def count_tokens(request: web.Request) -> web.Response:
         }
         if translated.chat.get("tools"):
             body["tools"] = translated.chat["tools"]
-        answer = (
-            await app[ENGINES]
-            .any_ready()
-            .post("/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex)
+        answer = await fleet.counter(home).post(
+            "/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex
         )
         if answer.status != 200:
             raise await answer.error()

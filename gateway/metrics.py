@@ -100,20 +100,20 @@ class QuotaGauges(Collector):
         yield used
 
 
-# (engine name, slots, requests in flight), computed at scrape time.
-SlotSample = tuple[str, int, int]
+# (engine name, slots, requests in flight, in rotation), computed at scrape time.
+SlotSample = tuple[str, int, int, bool]
 
 
 class EngineSlotGauges(Collector):
-    """``gateway_engine_slots`` and ``gateway_engine_in_flight`` by engine, read at scrape time
-    from ``source`` (the admission queue's own counts, `gateway.placement.EngineSlots`). The
+    """``gateway_engine_slots``, ``gateway_engine_in_flight`` and ``gateway_engine_in_rotation``
+    by engine, read at scrape time from ``source`` (the admission queue's own counts, `gateway.placement.EngineSlots`). The
     ``engine`` label takes the configured engine names only."""
 
     def __init__(self) -> None:
         self.source: Callable[[], Iterable[SlotSample]] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        """The two families (declared even before the queue exists)."""
+        """The three families (declared even before the queue exists)."""
         slots = GaugeMetricFamily(
             "gateway_engine_slots",
             "Requests this engine takes at once (its max_concurrency).",
@@ -124,11 +124,18 @@ class EngineSlotGauges(Collector):
             "Requests holding a slot of this engine now.",
             labels=("engine",),
         )
-        for name, capacity, in_flight in self.source() if self.source is not None else ():
+        rotation = GaugeMetricFamily(
+            "gateway_engine_in_rotation",
+            "1 while new requests may be placed on this engine (ready, its probes answered).",
+            labels=("engine",),
+        )
+        for name, capacity, in_flight, live in self.source() if self.source is not None else ():
             slots.add_metric((name,), capacity)
             busy.add_metric((name,), in_flight)
+            rotation.add_metric((name,), 1.0 if live else 0.0)
         yield slots
         yield busy
+        yield rotation
 
 
 class Metrics:

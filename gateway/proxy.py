@@ -38,6 +38,7 @@ from gateway.errors import (
     GatewayTimeout,
     RequestQuarantined,
 )
+from gateway.failover import EngineStalled
 from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler, credential
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
@@ -391,8 +392,7 @@ async def _call_engine(
     while True:
         posting = False
         name = call.ticket.engine
-        upstream = fleet.upstream(name)
-        state = fleet.state(name)
+        upstream, state = fleet.upstream(name), fleet.state(name)
         try:
             if fingerprint is not None:
                 quarantine.check(fingerprint, call.caller.label)  # quarantined while waiting
@@ -404,7 +404,8 @@ async def _call_engine(
             if name is not None:
                 app[METRICS].engine_requests.labels(name).inc()
                 fleet.affinity.served(call.session, name)
-            answer = await upstream.post(
+            answer = await fleet.post(
+                name,
                 call.dialect.engine_path,
                 call.plan.body,
                 call.engine_request_id,
@@ -422,7 +423,8 @@ async def _call_engine(
             if token is not None:
                 quarantine.finished(token, dropped=sent)
                 token = None
-            state.set("down", "connection dropped" if sent else "connection refused")
+            if not isinstance(exc, EngineStalled):
+                state.set("down", "connection dropped" if sent else "connection refused")
             error: GatewayError = exc
             if sent:
                 if not retried and fingerprint is not None and not _hang_kill(call, name or ""):

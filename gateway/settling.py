@@ -25,6 +25,7 @@ from gateway.state import (
     ADMISSION,
     BUDGETS,
     ENGINE_STATE,
+    ENGINES,
     IDLE_COUNTERS,
     METRICS,
     UPSTREAM,
@@ -114,7 +115,8 @@ async def settle(request: web.Request, call: ModelCall) -> None:
     assert call.plan is not None and call.hold is not None
     usage = call.usage
     if needs_prompt_count(call) and request.app[ENGINE_STATE].ready:
-        usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
+        counter = request.app[ENGINES].counter(call.engine)
+        usage.prompt_tokens = await counter.count_prompt(
             call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
         )
     prompt, completion = usage.settle(call.plan.prompt_fallback, call.plan.n)
