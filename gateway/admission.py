@@ -241,6 +241,36 @@ class AdmissionQueue:
         self._metrics.queue_depth.set(self._depth)
         return ticket
 
+    def ahead_of(self, tenant: str, *, background: bool = False) -> list[Ticket]:
+        """The waiters a newcomer enqueued now would be granted after, in grant order: its
+        tenant's waiters before its place (`_join`) and every waiter whose virtual finish
+        (its tenant's, plus the reservations of its tenant's waiters before it, per weight)
+        is at most the newcomer's; nothing changes (`gateway.deadline` predicts with it)."""
+        keyed: list[tuple[float, int, Ticket]] = []
+        mine = self._tenants.get(tenant)
+        key = max(mine.finish, self._vtime) if mine is not None else self._vtime
+        if mine is not None and mine.live > 0:
+            key = mine.finish
+            for waiter in mine.waiters:
+                if waiter._state is _State.WAITING:
+                    if waiter.background and not background:
+                        break
+                    keyed.append((key, waiter.seq, waiter))
+                    key += waiter.cost / waiter.weight
+        for name, state in self._waiting.items():
+            if name == tenant:
+                continue
+            other = state.finish
+            for waiter in state.waiters:
+                if waiter._state is not _State.WAITING:
+                    continue
+                if other > key:
+                    break
+                keyed.append((other, waiter.seq, waiter))
+                other += waiter.cost / waiter.weight
+        keyed.sort(key=lambda item: item[:2])
+        return [ticket for _, _, ticket in keyed]
+
     def close(self, error: Callable[[], GatewayError]) -> int:
         """Stop admitting (a shutdown): every waiter fails at once with ``error()``, and so does
         every later `enqueue`; tickets holding a slot keep it until released.

@@ -24,6 +24,7 @@ from gateway.budgets import Budgets
 from gateway.config import Settings
 from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
+from gateway.deadline import Forecaster
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
 from gateway.engine_watch import check_drift
@@ -64,6 +65,7 @@ from gateway.state import (
     ENGINE_STATE,
     ENGINES,
     FINISH_HOOKS,
+    FORECASTER,
     IDLE_COUNTERS,
     LIMITER,
     LIVE,
@@ -127,6 +129,8 @@ def create_app(
         engines=[(spec.name, spec.max_concurrency) for spec in specs],
         affinity_load_factor=settings.engine.affinity_load_factor,
     )
+    app[FORECASTER] = Forecaster(metrics, clock)
+    app[FORECASTER].export(settings.deadline)
     app[QUARANTINE] = quarantine = Quarantine(
         settings.quarantine,
         fingerprint_key(app[LIVE].current.salt_secret),

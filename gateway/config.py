@@ -380,6 +380,25 @@ class QuarantineSettings:
 
 
 @dataclass(frozen=True)
+class DeadlineSettings:
+    """``[deadline]``: refusing at once a request its client will not wait for (`gateway.deadline`).
+
+    ``enabled``: a request whose client states a read timeout (``x-stainless-read-timeout`` or
+    ``x-stainless-timeout``, or its tenant's ``deadline_s``) and whose predicted wait for an
+    engine slot exceeds it gets 503 (Anthropic 529) with ``Retry-After`` at once; false admits
+    it as before (the prediction and its metrics stay). The speeds stand until the first
+    finished requests measure them: ``decode_tokens_per_s`` per sequence (one V100 decodes about
+    30, DEPLOYMENT-NOTES), ``prefill_tokens_per_s`` of prompt; ``expected_output_tokens`` is the
+    output per choice assumed until answers have been seen.
+    """
+
+    enabled: bool = True
+    decode_tokens_per_s: float = 30.0
+    prefill_tokens_per_s: float = 1000.0
+    expected_output_tokens: int = 500
+
+
+@dataclass(frozen=True)
 class LoggingSettings:
     """``[logging]``: level of the JSON log on stdout."""
 
@@ -402,6 +421,8 @@ class TenantSettings:
         thinking_allowed: False forces thinking off; an explicit request for it gets 403.
         tokens_per_day: prompt plus completion tokens per UTC day, or None for no daily quota.
         tokens_per_month: prompt plus completion tokens per UTC calendar month, or None.
+        deadline_s: seconds this tenant's clients wait for an answer when a request states no
+            read timeout of its own (`gateway.deadline`); 0: none.
     """
 
     name: str = DEFAULT_TENANT
@@ -414,6 +435,7 @@ class TenantSettings:
     thinking_allowed: bool = True
     tokens_per_day: int | None = None
     tokens_per_month: int | None = None
+    deadline_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -432,6 +454,7 @@ class Settings:
     ledger: LedgerSettings = field(default_factory=LedgerSettings)
     quarantine: QuarantineSettings = field(default_factory=QuarantineSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
+    deadline: DeadlineSettings = field(default_factory=DeadlineSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     tenants: Mapping[str, TenantSettings] = field(
         default_factory=lambda: MappingProxyType({DEFAULT_TENANT: TenantSettings()})
@@ -495,6 +518,7 @@ _SECTIONS: dict[str, type] = {
     "ledger": LedgerSettings,
     "quarantine": QuarantineSettings,
     "fleet": FleetSettings,
+    "deadline": DeadlineSettings,
     "logging": LoggingSettings,
 }
 

@@ -79,6 +79,10 @@ RANGES: dict[str, tuple[float, float]] = {
     "tenant.max_tokens": (1, 1 << 24),
     "tenant.tokens_per_day": (0, 10**15),
     "tenant.tokens_per_month": (0, 10**15),
+    "tenant.deadline_s": (0, 86_400),
+    "deadline.decode_tokens_per_s": (0.1, 100_000),
+    "deadline.prefill_tokens_per_s": (1, 10_000_000),
+    "deadline.expected_output_tokens": (1, 1 << 24),
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {

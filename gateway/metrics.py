@@ -22,6 +22,15 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800)
 # Time spent waiting for the engine in the admission queue (bounded by engine.queue_timeout_s).
 QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800)
+# |actual - predicted| start of a queued request (gateway.deadline): a second is good on a
+# queue of minutes; up to the queue timeout.
+FORECAST_ERROR_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+FORECAST_DIRECTIONS = ("late", "early")
+FORECAST_PHASES = ("prefill", "decode")
+DIALECTS = ("chat", "completions", "messages", "responses")
+# gateway.deadline: a non-streamed request's slot after its deadline; a stream whose keep-alives
+# would come too late for its deadline and whose slot comes after it.
+DEADLINE_REASONS = ("queue", "stream_silence")
 
 ROUTES = (
     "/v1/chat/completions",
@@ -335,6 +344,30 @@ class Metrics:
             ("engine",),
             registry=registry,
         )
+        self.forecast_error = Histogram(
+            "gateway_queue_start_forecast_error_seconds",
+            "How far a queued request's slot came from its predicted time (late: after it).",
+            ("direction",),
+            buckets=FORECAST_ERROR_BUCKETS,
+            registry=registry,
+        )
+        self.deadline_refusals = Counter(
+            "gateway_deadline_refusals",
+            "Requests refused at once because the predicted wait exceeds the client's timeout.",
+            ("tenant", "dialect", "reason"),
+            registry=registry,
+        )
+        self.forecast_speed = Gauge(
+            "gateway_forecast_tokens_per_second",
+            "Engine speed the wait prediction uses (measured, else [deadline]), by phase.",
+            ("phase",),
+            registry=registry,
+        )
+        self.forecast_output = Gauge(
+            "gateway_forecast_output_tokens",
+            "Output tokens per choice the wait prediction expects (running mean of answers).",
+            registry=registry,
+        )
         self.quota = QuotaGauges()
         registry.register(self.quota)
         self.engine_slots = EngineSlotGauges()
@@ -366,10 +399,15 @@ class Metrics:
                 self.rate_limited.labels(tenant, limit)
             for kind in TOKEN_TYPES:
                 self.tokens.labels(tenant, kind)
+            for dialect in DIALECTS:
+                for reason in DEADLINE_REASONS:
+                    self.deadline_refusals.labels(tenant, dialect, reason)
         for result in RELOAD_RESULTS:
             self.config_reloads.labels(result)
         for kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(kind)
+        for direction in FORECAST_DIRECTIONS:
+            self.forecast_error.labels(direction)
 
     def prime_engines(self, names: Iterable[str]) -> None:
         """Create the per-engine children (``engine`` label: the configured names)."""

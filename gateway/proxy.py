@@ -28,6 +28,7 @@ from gateway.accounting import Accounting
 from gateway.affinity import Affinity, session_key
 from gateway.body import client_body, read_body, unplannable_as_400
 from gateway.budget import reserve_budgets
+from gateway.deadline import door_check, enqueued, finished, predict
 from gateway.dialects import Dialect, PlanInput
 from gateway.drain import Drain
 from gateway.errors import (
@@ -60,6 +61,7 @@ from gateway.state import (
     DRAIN,
     ENGINE_STATE,
     ENGINES,
+    FORECASTER,
     METRICS,
     QUARANTINE,
     UPSTREAM,
@@ -163,6 +165,8 @@ async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
+    forecaster = app[FORECASTER]
+    door_check(call, app[ADMISSION], forecaster, request.headers)  # before any limit is taken
 
     reservation = await reserve_budgets(request, call)
     plan = call.plan
@@ -173,6 +177,7 @@ async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
     try:
         tenant = call.caller.tenant
         home = app[ENGINES].affinity.home(call.session)
+        forecast = predict(call, app[ADMISSION], forecaster)
         ticket = app[ADMISSION].enqueue(
             tenant.name,
             tenant.weight,
@@ -182,11 +187,15 @@ async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
             background=call.background,
         )
         call.ticket = ticket
+        enqueued(call, forecaster, forecast)
         try:
             with app[DRAIN].track():
                 return await admit_and_call(request, call)
         finally:
-            await run_to_end(release_ticket(request, call, ticket))
+            try:
+                await run_to_end(release_ticket(request, call, ticket))
+            finally:
+                finished(call, forecaster)
     except GatewayError as exc:
         for name, value in reservation.headers.items():
             exc.headers.setdefault(name, value)
@@ -248,6 +257,7 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
         else:
             await ticket.wait(None)
         call.queued_s = ticket.waited_s
+        app[FORECASTER].started(ticket)
         state = app[ENGINE_STATE]
         if not state.ready:
             remaining = max(0.0, engine.queue_timeout_s - ticket.waited_s)

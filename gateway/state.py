@@ -25,6 +25,7 @@ from gateway.budgets import Budgets, Hold
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
 from gateway.counters import Baseline, IdleCounters
 from gateway.credentials import KeySet
+from gateway.deadline import Forecaster
 from gateway.dialects import CHAT, Dialect
 from gateway.drain import Drain
 from gateway.engines import Engines
@@ -220,6 +221,7 @@ LIMITER = web.AppKey("limiter", RateLimiter)
 BUDGETS = web.AppKey("budgets", Budgets)
 ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)
+FORECASTER = web.AppKey("forecaster", Forecaster)
 QUARANTINE = web.AppKey("quarantine", Quarantine)
 RELOADER = web.AppKey("reloader", Reloader)
 CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")
