@@ -2,11 +2,11 @@
 
 Docker 26, the Ubuntu 24.04 and Debian 12 root filesystems (side by side), ``ubuntu:24.04``
 imported into the private dockerd and the image built with the stand-ins, so the tests find
-everything cached (tests/deploylive.py, tests/dockerhost.py). ``.ci/setup.d/20-deploy-live.sh``
-starts it in the background as pytest starts; a second run finds the cache and takes seconds.
+everything cached (tests/deploylive.py, tests/dockerhost.py). ``.ci/steps/deploy-live.sh`` runs
+it before the tests (CI's background step); a second run finds the cache and takes seconds.
 
-Exit status: 0 when built, or when this host cannot run the tests at all (it says why in one
-line; the tests skip with the same line); 1 when a step failed, with what is missing and how to
+Exit status: 0 when built, or when this host cannot run the tests at all or they are switched
+off (``QWEN38_DEPLOY_LIVE=0``; it says why in one line, the tests skip with the same line); 1 when a step failed, with what is missing and how to
 install it.
 """
 
@@ -19,7 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.deploylive import Missing, bookworm_rootfs, docker_root, host_problem, noble_rootfs, say
+from tests.deploylive import (
+    Missing,
+    bookworm_rootfs,
+    docker_root,
+    host_problem,
+    noble_rootfs,
+    say,
+    switched_off,
+)
 from tests.dockerhost import (
     build_image,
     import_ubuntu,
@@ -59,7 +67,7 @@ def _stop(signum: int, frame: object) -> None:
 def main() -> int:
     """Run `prepare`; the exit status described above. SIGTERM unwinds it (dockerd stopped)."""
     signal.signal(signal.SIGTERM, _stop)
-    problem = host_problem()
+    problem = switched_off() or host_problem()
     if problem:
         say(f"skipped, the live deployment tests will skip too: {problem}")
         return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploylive import bookworm_rootfs, docker_root, host_problem, noble_rootfs
+from tests.deploylive import bookworm_rootfs, docker_root, noble_rootfs, skip_reason
 from tests.dockerhost import (
     IMAGE,
     Dockerd,
@@ -60,9 +60,9 @@ def _interrupt(signum: int, frame: object) -> None:
 def deploy_host() -> None:
     """Skip (one line) where this host cannot boot systemd-nspawn or run dockerd. A SIGTERM to
     this pytest process becomes an interrupt, so the finalizers still stop what was started."""
-    problem = host_problem()
-    if problem:
-        pytest.skip(f"live deployment tests need a root host with cgroups and nspawn: {problem}")
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _interrupt)
 

@@ -3,6 +3,12 @@
 ``systemd-nspawn -b --private-network``: its own network namespace with only ``lo`` (nothing it
 listens on reaches this machine's network), ``--keep-unit --register=no`` (this machine's PID 1 is
 not systemd), ``--capability=all --system-call-filter=@keyring`` (Docker inside needs them).
+With ``--keep-unit`` nspawn puts the container in ``<its own cgroup>/payload`` and itself in
+``<its own cgroup>/supervisor`` of the ``name=systemd`` hierarchy (and the same paths of the
+unified one); on a cgroup v1 host whose PID 1 is not systemd its own cgroup is the root, so every
+machine booted on the host would share ``/payload``, and the container's systemd (whose cgroup
+namespace starts there) would see and manage the units of any other machine running beside it.
+So nspawn starts in a cgroup of this machine's own in both (`private_cgroup`), removed after.
 Commands run inside through ``nsenter`` into the container's namespaces, with a clean
 environment. `kill` ends everything in it: its PID 1 dies and the kernel kills the rest of its
 PID namespace, the Docker containers inside included.
@@ -28,6 +34,48 @@ ROOT_TMPFS = "6g"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+# The hierarchies nspawn places itself and the container in on a cgroup v1 host: name=systemd
+# and, on a hybrid host, the unified one beside it (where systemd 252 reads its own cgroup).
+CGROUP_HIERARCHIES = (
+    ("name=systemd", Path("/sys/fs/cgroup/systemd")),
+    ("", Path("/sys/fs/cgroup/unified")),
+)
+
+
+def private_cgroup(name: str) -> list[Path]:
+    """On a cgroup v1 host (``name=systemd`` hierarchy mounted), a new empty cgroup below this
+    process's own in that hierarchy and in the unified one beside it (hybrid), for one machine's
+    nspawn; none elsewhere (a systemd host gives nspawn's unit a cgroup of its own already)."""
+    if not (CGROUP_HIERARCHIES[0][1] / "cgroup.procs").exists():
+        return []
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        own[controllers] = path
+    leaf = f"qwen38-{name}-{os.getpid()}-{time.time_ns()}"
+    cgroups = []
+    for controllers, mount in CGROUP_HIERARCHIES:
+        if controllers in own and (mount / "cgroup.procs").exists():
+            cgroup = mount / own[controllers].strip("/") / leaf
+            cgroup.mkdir(parents=True)
+            cgroups.append(cgroup)
+    return cgroups
+
+
+def remove_cgroups(cgroups: list[Path], timeout: float = 10) -> None:
+    """Remove ``cgroups`` and what nspawn and the container made below them (empty cgroups only;
+    a few retries while the container's last processes are reaped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for tree in cgroups:
+            for directory, _, _ in sorted(os.walk(tree, topdown=False), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+        if not any(tree.exists() for tree in cgroups) or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
+
+
 class Machine:
     """One root directory and, while booted, the ``systemd-nspawn`` process running it."""
 
@@ -39,6 +87,7 @@ class Machine:
         self.leader_started: int | None = None
         self.boots = 0
         self.console = root.parent / f"{name}.console"
+        self.cgroups = private_cgroup(name)
 
     def boot(self, timeout: float = 120) -> float:
         """Boot and wait until systemd reports the boot finished; the seconds it took."""
@@ -46,8 +95,14 @@ class Machine:
         started = time.monotonic()
         self.boots += 1
         with open(self.console, "ab") as console:
+            # nspawn enters this machine's own cgroup first (see the module's docstring).
+            enter = []
+            if self.cgroups:
+                script = 'for c in $0; do echo $$ >"$c/cgroup.procs" || exit 1; done; exec "$@"'
+                enter = ["/bin/sh", "-c", script, " ".join(map(str, self.cgroups))]
             self.proc = subprocess.Popen(
                 [
+                    *enter,
                     "systemd-nspawn",
                     "--boot",
                     f"--directory={self.root}",
@@ -188,5 +243,6 @@ def machine(rootfs_tar: Path, name: str) -> Iterator[Machine]:
         yield box
     finally:
         box.kill()
+        remove_cgroups(box.cgroups)
         subprocess.run(["umount", "-l", str(root)], capture_output=True, check=False)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploylive import OPT_IN_VARIABLE, opted_in
+from tests.deploylive import skip_reason
 from tests.deploylive_fixtures import TIMINGS, BuiltImage, timed
 from tests.dockerhost import Dockerd
 from tests.nspawn import Machine, machine
@@ -37,13 +37,13 @@ ENGINE = "qwen38-engine.service"
 # Minutes, most of it waiting (boots, restarts, the start limits): beside the other files under
 # xdist; one worker for both live deployment files (one private dockerd per data root).
 pytestmark = [
-    pytest.mark.skipif(
-        not opted_in(), reason=f"live deployment tests are opt-in: set {OPT_IN_VARIABLE}=1"
-    ),
     pytest.mark.slow(420),
     pytest.mark.xdist_group("deploy-live"),
     pytest.mark.timeout(1800),  # the first test also waits for the shared fixtures
 ]
+# One line for the whole file where the host cannot run it or an operator switched it off.
+if skip_reason():
+    pytest.skip(str(skip_reason()), allow_module_level=True)
 
 NOFILE_WRAPPER = """#!/bin/sh
 # Test host only: no CAP_SYS_RESOURCE and a nofile hard limit of 20,000, so the units'

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def test_pid_taken_by_another_group_is_left_alone(procs: list[subprocess.Popen[b
     record = ProcessGroup.of(gone.pid)
     gone.kill()
     gone.wait(10)
+    time.sleep(0.05)  # a later clock tick (100 per second)
     other = spawn(procs, "sleep", "60")
     # The other session's leader in the record's place: same id, another start time.
     reused = ProcessGroup(other.pid, record.started)
