@@ -115,6 +115,12 @@ def test_openai_non_streamed_request_over_its_timeout_gets_503_at_once(gw: Gatew
     assert gw.metric("gateway_deadline_refusals_total", tenant="acme", dialect="chat") == 1
     assert gw.metric("gateway_deadline_refusals_total", reason="queue") == 1
 
+    # The Responses API in the same shape.
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.responses.create(model=ALIAS, input="short", timeout=SHORT_S)
+    assert refused.value.response.json()["error"]["code"] == "engine_overloaded"
+    assert gw.metric("gateway_deadline_refusals_total", dialect="responses") == 1
+
     served = client.chat.completions.create(
         model=ALIAS, messages=[{"role": "user", "content": "generous"}], timeout=120
     )
@@ -124,7 +130,7 @@ def test_openai_non_streamed_request_over_its_timeout_gets_503_at_once(gw: Gatew
     client.close()
     assert engine_saw(gw, "short") == 0 and engine_saw(gw, "generous") == 1
     assert gw.metric("gateway_tokens_total", tenant="acme", type="prompt") > 0
-    assert gw.metric("gateway_deadline_refusals_total") == 1
+    assert gw.metric("gateway_deadline_refusals_total") == 2
     # The served request waited in the queue: its predicted start was measured.
     assert gw.metric("gateway_queue_start_forecast_error_seconds_count") >= 1
 
