@@ -34,6 +34,11 @@ class ServerSettings:
 
     ``max_body_bytes`` defaults to 32 MiB: a 254,976-token prompt is about 1 MB of text, so this
     leaves room for JSON escaping (CJK as ``\\uXXXX`` is 6 bytes a character) and tool schemas.
+    ``bodies_max_bytes`` (1 GiB) bounds the memory the bodies of all model requests hold at once
+    (being read, parsed, waiting in the queue, at an engine), each counted as the estimate of its
+    bytes, decoded text and parsed objects (`gateway.body_memory`): a request past it is refused
+    like one past a full queue (429 ``memory`` at the tenant's share, else 503), one that alone
+    exceeds it with 413.
 
     The three timeouts protect the listener, which faces clients directly (seconds):
     ``keepalive_timeout_s`` closes a connection that sends no complete request line and headers
@@ -66,6 +71,7 @@ class ServerSettings:
     host: str = "0.0.0.0"
     port: int = 8000
     max_body_bytes: int = 33_554_432
+    bodies_max_bytes: int = 1_073_741_824
     shutdown_grace_s: float = 30.0
     drain_delay_s: float = 0.0
     keepalive_timeout_s: float = 60.0
