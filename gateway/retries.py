@@ -53,7 +53,7 @@ from gateway.config import RetriesSettings
 from gateway.errors import BadGateway, BadRequest, ClientError, GatewayError
 from gateway.flight import ENTRY_OVERHEAD_BYTES, Flight, Follower
 from gateway.relay import TAP
-from gateway.state import ModelCall
+from gateway.state import METRICS, ModelCall
 
 log = structlog.get_logger("gateway.retries")
 
@@ -351,6 +351,10 @@ async def lead(
             flight.cut = True  # the stream ended without its end: nothing whole to replay
         flight.finish(body=body, error=error)
         call.attaches = flight.attaches
+        if flight.detached:
+            # The leader's own client left; its answer went to the connections attached.
+            call.context.reason = call.context.reason or "retry_detached"
+            request.app[METRICS].client_disconnects.labels(call.caller.label).inc()
         flights.close(settings, flight, keep)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gateway import ledger
 from gateway.flight import Flight
 from gateway.retries import FLIGHTS
 from gateway.state import ACCOUNTING, FINISH_HOOKS, METRICS, RequestContext
@@ -200,15 +201,77 @@ async def test_unmarked_resend_attaches_to_orphaned_generation(stack: Stack) -> 
     assert matches(stack, "resend", "attach") == 1
 
 
-async def test_stream_without_key_is_cancelled_when_its_client_leaves(stack: Stack) -> None:
-    """A stream without a key is aborted at the engine as soon as its client leaves (no grace)."""
-    seen = recorded(stack)
-    body = chat_body(stream=True, max_tokens=200, sim={"tokens_per_second": 20})
-    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
-    await first.content.readuntil(b"\n\n")
-    first.close()
-    assert await until(lambda: len(seen) == 1, timeout=0.9)
-    assert seen[0].status == 499
+async def test_stream_without_key_is_cancelled_when_its_client_leaves(
+    aiohttp_client: Any,
+) -> None:
+    """A stream without a key is aborted at the engine as soon as its client leaves: no grace."""
+    async with open_stack(aiohttp_client, {"retries": {"orphan_grace_s": 60}}) as stack:
+        seen = recorded(stack)
+        body = chat_body(stream=True, max_tokens=200, sim={"tokens_per_second": 20})
+        first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+        await first.content.readuntil(b"\n\n")
+        first.close()
+        assert await until(lambda: len(seen) == 1, timeout=20)
+        assert seen[0].status == 499
+        assert stack.sim is not None
+        assert await until(lambda: generations(stack) == 1)
+        assert [r["outcome"] for r in stack.sim.model_records()] == ["aborted"]
+
+
+async def test_queued_leader_leaving_keeps_its_place_for_the_attached(aiohttp_client: Any) -> None:
+    """A queued stream whose client left while a retry with its key waits: the retry keeps the
+    place and gets the queued stream's every byte, from one generation."""
+    config = {"engine": {"queued_comment_after_s": 0.1}, "server": {"sse_keepalive_s": 0.1}}
+    async with open_stack(aiohttp_client, config) as stack:
+        blocker = chat_body(max_tokens=20, sim={"tokens_per_second": 20, "completion_tokens": 20})
+        hold = asyncio.ensure_future(stack.client.post(CHAT, json=blocker, headers=AUTH_B))
+        assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+        headers = {**AUTH_A, "Idempotency-Key": "queued"}
+        body = chat_body(stream=True, max_tokens=5, sim={"completion_tokens": 5})
+        first = await stack.client.post(CHAT, json=body, headers=headers)
+        assert b": queued" in await first.content.readuntil(b"\n\n")
+        second = await stack.client.post(CHAT, json=body, headers=headers)
+        first.close()
+        events = sse_data(await second.read())
+        assert events[-1] == "[DONE]"
+        assert (await hold).status == 200
+        assert generations(stack) == 2
+        assert matches(stack, "key", "attach") == 1
+
+
+async def test_bad_idempotency_key_is_400_without_quoting_it(stack: Stack) -> None:
+    """An Idempotency-Key that is too long or not printable ASCII is a 400 that does not quote it."""
+    for value in ("k" * 256, "caf\u00e9"):
+        reply = await stack.client.post(
+            CHAT,
+            json=chat_body(max_tokens=2),
+            headers={**AUTH_A, "Idempotency-Key": value.encode().decode("latin-1")},
+        )
+        assert reply.status == 400
+        error = (await reply.json())["error"]
+        assert error["param"] == "Idempotency-Key" and "kkkk" not in error["message"]
+    assert generations(stack) == 0
+
+
+def test_an_older_ledger_gains_the_attaches_column(tmp_path: Any) -> None:
+    """A ledger file without ``attaches`` gains it at the first open, 0 for its old rows."""
+    path = tmp_path / "usage.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE usage (ts REAL NOT NULL, day TEXT NOT NULL, tenant TEXT NOT NULL, "
+        "key_id TEXT NOT NULL, subject TEXT, endpoint TEXT NOT NULL, status INTEGER NOT NULL, "
+        "prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
+        "reasoning_tokens INTEGER, queue_s REAL, ttft_s REAL, duration_s REAL NOT NULL, "
+        "request_id TEXT NOT NULL, record_id TEXT, engine TEXT);"
+        "INSERT INTO usage VALUES (1, '1970-01-01', 't', 'k', NULL, '/v1/chat/completions', "
+        "200, 1, 1, NULL, NULL, NULL, 0.1, 'old', 'r1', NULL);"
+    )
+    conn.commit()
+    conn.close()
+    opened = ledger.connect(path)
+    rows = opened.execute("SELECT request_id, attaches FROM usage").fetchall()
+    opened.close()
+    assert rows == [("old", 0)]
 
 
 async def test_engine_5xx_is_not_replayed(stack: Stack) -> None:
