@@ -316,4 +316,5 @@ class Flight:
     def _expire(self) -> None:
         self._timer = None
         if self.clients == 0 and not self.done and self.task is not None:
+            self.cut = True  # ending: nobody may attach to it any more
             self.task.cancel("no client reads this generation")

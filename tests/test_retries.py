@@ -369,3 +369,39 @@ def test_flight_trims_to_its_bound() -> None:
     assert follower.lost
     assert flight.size <= 1000
     assert sum(taken) == flight.held() <= 1000
+
+
+DIALECT_BODIES: dict[str, dict[str, Any]] = {
+    CHAT: {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20},
+    "/v1/completions": {"model": ALIAS, "prompt": "hi", "max_tokens": 20},
+    "/v1/responses": {"model": ALIAS, "input": "hi", "max_output_tokens": 20},
+    MESSAGES: {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("route", list(DIALECT_BODIES))
+async def test_every_dialect_attaches_with_a_key(
+    aiohttp_client: Any, route: str, stream: bool
+) -> None:
+    """On each API, streamed or not, a retry with the key while the answer runs gets the same
+    bytes from one generation, and one after it ends gets them replayed; one ledger record."""
+    async with open_stack(aiohttp_client, tokens_per_second=20, completion_tokens=20) as stack:
+        seen = recorded(stack)
+        headers = {**AUTH_A, "Idempotency-Key": f"dialect-{route}"}
+        body = {**DIALECT_BODIES[route], "stream": stream}
+        first = asyncio.ensure_future(stack.client.post(route, json=body, headers=headers))
+        assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+        await asyncio.sleep(0.3)
+        second = await stack.client.post(route, json=body, headers=headers)
+        leader = await first
+        one, two = await leader.read(), await second.read()
+        assert leader.status == second.status == 200
+        assert second.headers["Idempotent-Replayed"] == "true"
+        assert one == two and len(one) > 100
+        third = await stack.client.post(route, json=body, headers=headers)
+        assert await third.read() == one
+        assert generations(stack) == 1
+        assert await until(lambda: len(seen) == 1)
+        assert seen[0].call is not None and seen[0].call.attaches == 1  # the replay came later
+        assert matches(stack, "key", "attach") == matches(stack, "key", "replay") == 1
