@@ -137,10 +137,10 @@ async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None
     """The first client closing does not cancel a generation another connection reads."""
     seen = recorded(stack)
     body = chat_body(stream=True, max_tokens=30, sim=SLOW)
-    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    keyed = {**AUTH_A, "Idempotency-Key": "first-gone"}
+    first = await stack.client.post(CHAT, json=body, headers=keyed)
     await first.content.readuntil(b"\n\n")
-    retry = {**AUTH_A, "x-stainless-retry-count": "1"}
-    second = await stack.client.post(CHAT, json=body, headers=retry)
+    second = await stack.client.post(CHAT, json=body, headers=keyed)
     assert second.status == 200
     first.close()
     events = sse_data(await second.read())
@@ -149,8 +149,23 @@ async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None
     assert await until(lambda: len(seen) == 1)
     call = seen[0].call
     assert call is not None and call.attaches == 1 and call.usage.completion_tokens == 30
-    assert seen[0].status == 200
-    assert matches(stack, "sdk_retry", "attach") == 1
+    assert seen[0].status == 200 and seen[0].reason == "retry_detached"
+    assert matches(stack, "key", "attach") == 1
+
+
+async def test_plain_stream_records_nothing_past_its_headers(stack: Stack) -> None:
+    """A stream without a key keeps no bytes for retries once its headers went out (the SDKs
+    retry a stream only before them): a marked retry then runs on its own."""
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    await first.content.readuntil(b"\n\n")
+    await first.content.readuntil(b"\n\n")
+    assert stack.app[FLIGHTS].bytes == 0
+    retry = {**AUTH_A, "x-stainless-retry-count": "1"}
+    second = await stack.client.post(CHAT, json=body, headers=retry)
+    assert "Idempotent-Replayed" not in second.headers
+    await asyncio.gather(first.read(), second.read())
+    assert generations(stack) == 2
 
 
 async def test_all_clients_gone_cancels_after_grace(stack: Stack) -> None:
