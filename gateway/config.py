@@ -130,10 +130,11 @@ class EngineSettings:
     non-200 answer marks it down at once (`gateway.engine_watch.poll_health`). Default 10 s: at
     least five failed probes of 1 s, well above a loaded engine's slow ``/health``.
     ``health_interval_s``: seconds between two probes (0.5: vLLM's ``/health`` is a cheap answer
-    of its API server). ``rotation_timeout_s``: a probe unanswered this long, with no byte from
-    the engine meanwhile, takes the engine out of rotation for new requests until a probe
-    answers again: a hung engine is out within ``health_interval_s + rotation_timeout_s`` (0.8 s
-    by default); ``down`` (alerts, ``/ready``) still takes ``unhealthy_after_s``.
+    of its API server). ``rotation_timeout_s`` (several engines): a probe unanswered this long,
+    with no byte from the engine meanwhile, takes the engine out of rotation for new requests
+    until a probe answers again (`gateway.failover`): a hung engine is out within
+    ``health_interval_s + rotation_timeout_s`` (0.8 s by default); ``down`` (alerts,
+    ``/ready``) still takes ``unhealthy_after_s``.
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
     headers, its dialect's opening events and keep-alives while it waits (`gateway.waiting`).
     ``queue_timeout_s``: the longest wait in that queue, 30 minutes by default so that agent

@@ -92,6 +92,13 @@ class Engines:
         slots = self._queue.engines.get(name)
         return slots is not None and slots.ready
 
+    def elsewhere(self, name: str | None) -> bool:
+        """True when a request granted engine ``name`` should go to another one: ``name`` is
+        out of rotation (not ready, or stalled) while another engine is in."""
+        if name is None or self.in_rotation(name):
+            return False
+        return not self.states[name].ready or any(self.in_rotation(n) for n in self.specs)
+
     def counter(self, prefer: str | None = None) -> Upstream:
         """The session to ask for a prompt count (``/tokenize``, no slot needed): engine
         ``prefer`` (the request's engine, or its session's) while in rotation, else the first
@@ -120,7 +127,8 @@ class Engines:
             upstream = Upstream(settings(), self._metrics, spec)
             self.upstreams[name] = upstream
             ready_file = functools.partial(lambda s: s.ready_file, spec)
-            rotation = functools.partial(self.rotation.set, name)
+            # One engine has nowhere else to send a request: its rotation is its health.
+            rotation = functools.partial(self.rotation.set, name) if len(self.specs) > 1 else None
             self._tasks.append(
                 asyncio.create_task(
                     poll_health(upstream, self.states[name], settings, ready_file, rotation)

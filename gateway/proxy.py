@@ -277,8 +277,8 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
             remaining = max(0.0, engine.queue_timeout_s - ticket.waited_s)
             if not await state.wait_ready(remaining):
                 raise state.unavailable()
-        if not app[ENGINES].state(ticket.engine).ready:
-            # Granted while no engine was ready; another one came back first.
+        if app[ENGINES].elsewhere(ticket.engine):
+            # Granted while no engine was ready, or its engine stalled since: another one is in.
             await _move(app, call, ticket.engine)
     except GatewayError as exc:
         if stream is None or stream.response is None:

@@ -199,9 +199,9 @@ async def test_a_request_the_engine_read_stays_until_the_engine_is_down(director
         await server.wait_closed()
 
 
-async def test_prompt_counts_go_to_an_engine_in_rotation() -> None:
+async def test_prompt_counts_and_granted_requests_go_to_an_engine_in_rotation() -> None:
     """The prompt counter is the preferred engine while in rotation, else the first engine in
-    rotation, else the first ready one."""
+    rotation, else the first ready one; a request granted a stalled engine moves."""
     metrics = Metrics(CollectorRegistry())
     specs = [EngineSpec(name=n, socket=f"/nonexistent/{n}.sock") for n in ("e0", "e1", "e2")]
     queue = AdmissionQueue(1, 8, 60, metrics, engines=[(s.name, 1) for s in specs])
@@ -221,6 +221,7 @@ async def test_prompt_counts_go_to_an_engine_in_rotation() -> None:
         assert fleet.counter("e1").name == "e1"
         fleet.rotation.set("e1", False, "health timeout")
         assert not fleet.in_rotation("e1") and fleet.counter("e1").name == "e0"
+        assert fleet.elsewhere("e1") and not fleet.elsewhere("e0")  # granted e1: moved
         fleet.rotation.set("e0", False, "health timeout")
         assert fleet.counter("e1").name == "e2" and fleet.counter(None).name == "e2"
         fleet.states["e2"].set("down", "connection refused")
