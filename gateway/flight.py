@@ -170,9 +170,15 @@ class Flight:
     # -- the leader's side (`gateway.relay.ClientStream` calls these as its tap) --
 
     def opened(self, status: int, headers: Mapping[str, str]) -> None:
-        """The leader's stream sent (or would have sent) its status line and headers."""
+        """The leader's stream sent (or would have sent) its status line and headers.
+
+        A stream without an ``Idempotency-Key`` takes no new follower from here on: the SDKs
+        retry a stream only before its headers arrive, and its generation is not kept for a
+        resend once its client left, so recording it would cost memory nobody reads."""
         self.status = status
         self.headers = dict(headers)
+        if self.stream and self.key is None:
+            self.cut = True
         self._notify()
 
     def sent(self, data: bytes) -> None:
@@ -316,4 +322,5 @@ class Flight:
     def _expire(self) -> None:
         self._timer = None
         if self.clients == 0 and not self.done and self.task is not None:
+            self.cut = True  # ending: nobody may attach to it any more
             self.task.cancel("no client reads this generation")

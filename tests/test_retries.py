@@ -137,10 +137,10 @@ async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None
     """The first client closing does not cancel a generation another connection reads."""
     seen = recorded(stack)
     body = chat_body(stream=True, max_tokens=30, sim=SLOW)
-    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    keyed = {**AUTH_A, "Idempotency-Key": "first-gone"}
+    first = await stack.client.post(CHAT, json=body, headers=keyed)
     await first.content.readuntil(b"\n\n")
-    retry = {**AUTH_A, "x-stainless-retry-count": "1"}
-    second = await stack.client.post(CHAT, json=body, headers=retry)
+    second = await stack.client.post(CHAT, json=body, headers=keyed)
     assert second.status == 200
     first.close()
     events = sse_data(await second.read())
@@ -149,8 +149,23 @@ async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None
     assert await until(lambda: len(seen) == 1)
     call = seen[0].call
     assert call is not None and call.attaches == 1 and call.usage.completion_tokens == 30
-    assert seen[0].status == 200
-    assert matches(stack, "sdk_retry", "attach") == 1
+    assert seen[0].status == 200 and seen[0].reason == "retry_detached"
+    assert matches(stack, "key", "attach") == 1
+
+
+async def test_plain_stream_records_nothing_past_its_headers(stack: Stack) -> None:
+    """A stream without a key keeps no bytes for retries once its headers went out (the SDKs
+    retry a stream only before them): a marked retry then runs on its own."""
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    await first.content.readuntil(b"\n\n")
+    await first.content.readuntil(b"\n\n")
+    assert stack.app[FLIGHTS].bytes == 0
+    retry = {**AUTH_A, "x-stainless-retry-count": "1"}
+    second = await stack.client.post(CHAT, json=body, headers=retry)
+    assert "Idempotent-Replayed" not in second.headers
+    await asyncio.gather(first.read(), second.read())
+    assert generations(stack) == 2
 
 
 async def test_all_clients_gone_cancels_after_grace(stack: Stack) -> None:
@@ -369,3 +384,39 @@ def test_flight_trims_to_its_bound() -> None:
     assert follower.lost
     assert flight.size <= 1000
     assert sum(taken) == flight.held() <= 1000
+
+
+DIALECT_BODIES: dict[str, dict[str, Any]] = {
+    CHAT: {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20},
+    "/v1/completions": {"model": ALIAS, "prompt": "hi", "max_tokens": 20},
+    "/v1/responses": {"model": ALIAS, "input": "hi", "max_output_tokens": 20},
+    MESSAGES: {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("route", list(DIALECT_BODIES))
+async def test_every_dialect_attaches_with_a_key(
+    aiohttp_client: Any, route: str, stream: bool
+) -> None:
+    """On each API, streamed or not, a retry with the key while the answer runs gets the same
+    bytes from one generation, and one after it ends gets them replayed; one ledger record."""
+    async with open_stack(aiohttp_client, tokens_per_second=20, completion_tokens=20) as stack:
+        seen = recorded(stack)
+        headers = {**AUTH_A, "Idempotency-Key": f"dialect-{route}"}
+        body = {**DIALECT_BODIES[route], "stream": stream}
+        first = asyncio.ensure_future(stack.client.post(route, json=body, headers=headers))
+        assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+        await asyncio.sleep(0.3)
+        second = await stack.client.post(route, json=body, headers=headers)
+        leader = await first
+        one, two = await leader.read(), await second.read()
+        assert leader.status == second.status == 200
+        assert second.headers["Idempotent-Replayed"] == "true"
+        assert one == two and len(one) > 100
+        third = await stack.client.post(route, json=body, headers=headers)
+        assert await third.read() == one
+        assert generations(stack) == 1
+        assert await until(lambda: len(seen) == 1)
+        assert seen[0].call is not None and seen[0].call.attaches == 1  # the replay came later
+        assert matches(stack, "key", "attach") == matches(stack, "key", "replay") == 1
