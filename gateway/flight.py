@@ -183,8 +183,8 @@ class Flight:
 
     def sent(self, data: bytes) -> None:
         """The leader's stream wrote ``data`` (kept while within the bounds)."""
-        if not data:
-            return
+        if not data or (self.cut and not self.followers):
+            return  # nobody can read it: a plain stream past its headers costs nothing here
         self.chunks.append(data)
         self.size += len(data)
         if not self.cut and not self._hold(len(data)):

@@ -27,6 +27,12 @@ def gw(sim_factory: Callable[..., Sim], gateway_factory: Callable[..., Gateway])
     return gateway_factory(sim_factory(*PACED))
 
 
+def shared_rows(route: str) -> tuple[list[tuple[Any, ...]], ...]:
+    """The one ledger row of a 140-token answer shared by two retries: both attached while it
+    ran, or the second got it replayed after its end."""
+    return ([(route, 200, 140, 2)], [(route, 200, 140, 1)])
+
+
 def ledger_rows(gw: Gateway) -> list[tuple[Any, ...]]:
     """``(endpoint, status, completion_tokens, attaches)`` of every ledger record so far."""
     path = Path(gw.config_path).parent / "gw-usage.sqlite3"
@@ -56,9 +62,10 @@ def test_openai_sdk_timeouts_and_retries_share_one_generation(gw: Gateway) -> No
     assert 10 < elapsed < 30
     assert model_requests(gw) == 1
     assert wait_until(lambda: len(ledger_rows(gw)) == 1, 5)
-    assert ledger_rows(gw) == [("/v1/chat/completions", 200, 140, 2)]
-    attached = gw.metric("gateway_retries_total", match="sdk_retry")
-    assert attached == 2
+    assert ledger_rows(gw) in shared_rows("/v1/chat/completions")
+    # Both retries attached (or, on a machine slow enough that the answer ended between the
+    # second retry leaving and the third try arriving, the last one got it replayed).
+    assert gw.metric("gateway_retries_total", match="sdk_retry") == 2
     assert gw.metric("gateway_tokens_total", type="completion") == 140
 
 
@@ -74,7 +81,8 @@ def test_anthropic_sdk_timeouts_and_retries_share_one_generation(gw: Gateway) ->
     assert message.usage.output_tokens == 140
     assert model_requests(gw) == 1
     assert wait_until(lambda: len(ledger_rows(gw)) == 1, 5)
-    assert ledger_rows(gw) == [("/v1/messages", 200, 140, 2)]
+    assert ledger_rows(gw) in shared_rows("/v1/messages")
+    assert gw.metric("gateway_retries_total", match="sdk_retry") == 2
 
 
 def test_stream_with_key_attached_midway_gets_the_whole_stream(gw: Gateway) -> None:
