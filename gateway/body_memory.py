@@ -1,8 +1,9 @@
 """The memory held by model requests' bodies, bounded by ``server.bodies_max_bytes``.
 
 While a body uploads, the gateway holds its reads and then the bytes joined from them; once
-parsed, the Python objects of the client body (and the engine body and translated request,
-which share its values) for the rest of the request. Those objects are 0.5 to 19 times the
+parsed, the Python objects of the client body (a translated request keeps them for the rest of
+the request) and the engine body encoded from them (about as long as the body); a
+``previous_response_id`` adds the stored conversation it continues (`RequestPlan.held_extra`). Those objects are 0.5 to 19 times the
 JSON's bytes (a string costs its characters at 1, 2 or 4 bytes each plus a 49-byte header, a
 dict at least 64 bytes, every value a pointer), so a bound counted in body bytes would hold up
 to 19 times what it says (case C27's kind). `held_estimate` is an upper estimate of the parsed
@@ -174,9 +175,10 @@ class BodyMemory:
 async def read_held(
     request: web.Request, memory: BodyMemory, hold: BodyHold, server: ServerSettings, label: str
 ) -> bytes:
-    """Read a model request's body within ``server.bodies_max_bytes``: its ``Content-Length``
-    is taken before reading (``max_body_bytes`` for a chunked body), the `held_estimate` of its
-    parsed form once read, before it is parsed. The caller releases ``hold`` when the request's
+    """Read a model request's body within ``server.bodies_max_bytes``: twice its
+    ``Content-Length`` is taken before reading (of ``max_body_bytes`` for a chunked body); once
+    read, before it is parsed, the `held_estimate` of its parsed form plus its length again (the
+    engine body encoded from it, about as long). The caller releases ``hold`` when the request's
     bodies are dropped.
 
     Raises:
@@ -188,5 +190,5 @@ async def read_held(
     if length is None or length <= server.max_body_bytes:  # else read_body refuses it unread
         memory.take(hold, reading_estimate(length, server.max_body_bytes), label)
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
-    memory.take(hold, held_estimate(raw), label)
+    memory.take(hold, held_estimate(raw) + len(raw), label)  # parsed, then the engine body
     return raw

@@ -134,6 +134,9 @@ async def plan_call(request: web.Request, call: ModelCall) -> bytes:
     )
     with unplannable_as_400():
         call.plan = call.dialect.plan(given)
+    if call.plan.held_extra and call.body_hold is not None:
+        hold = call.body_hold
+        request.app[BODY_MEMORY].take(hold, hold.size + call.plan.held_extra, call.caller.label)
     return raw
 
 

@@ -69,6 +69,8 @@ class RequestPlan:
         default_output: the engine body's output-budget field when the gateway set it from its
             own default (the client set none; ``max_output`` then came from the prompt
             estimate), else None: `gateway.budget.fit_default_output` makes it fit the context.
+        held_extra: bytes of memory the request holds beyond what its client body accounts for
+            (a stored conversation it continues), counted against ``server.bodies_max_bytes``.
     """
 
     body: bytes
@@ -83,6 +85,7 @@ class RequestPlan:
     prompt_ceiling: int = 0
     prompt_exact: bool = False
     default_output: str | None = None
+    held_extra: int = 0
 
     @property
     def output_tokens(self) -> int:

@@ -213,3 +213,28 @@ async def test_past_the_bound_messages_answers_429_for_the_holder_and_529_for_an
         assert await until(lambda: memory.held == 0)
         r = await stack.client.post("/v1/messages", json=quick, headers={"x-api-key": KEY_B})
         assert r.status == 200
+
+
+async def test_a_continued_conversation_counts_the_stored_history_it_holds(
+    aiohttp_client: Any,
+) -> None:
+    """previous_response_id holds the stored conversation decoded and in the engine body: it
+    counts against the bound, so the third turn of a conversation of 900-item inputs under a
+    1 MiB bound is a 413 although the turn's own body fits."""
+    config = {"server": {"bodies_max_bytes": 1 << 20}, "responses": {"store": True}}
+    async with open_stack(aiohttp_client, config) as stack:
+        items = [{"role": "user", "content": f"m{i}"} for i in range(900)]
+        previous = None
+        statuses = []
+        answer: dict[str, Any] = {}
+        for _ in range(3):
+            body: dict[str, Any] = {"model": ALIAS, "input": items, "max_output_tokens": 5}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            r = await stack.client.post("/v1/responses", json=body, headers=AUTH_A)
+            statuses.append(r.status)
+            answer = await r.json()
+            previous = answer.get("id")
+        assert statuses == [200, 200, 413], statuses
+        assert "too large to hold" in answer["error"]["message"]
+        assert stack.client.app[BODY_MEMORY].held == 0
