@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue
 from gateway.answers import AnswerWorker
+from gateway.body_memory import BodyMemory
 from gateway.budgets import Budgets
 from gateway.config import Settings
 from gateway.counters import IdleCounters
@@ -58,6 +59,7 @@ from gateway.state import (
     ACCOUNTING,
     ADMISSION,
     ANSWER_WORKER,
+    BODY_MEMORY,
     BUDGETS,
     CLOCK,
     DIALECTS,
@@ -129,6 +131,10 @@ def create_app(
         engines=[(spec.name, spec.max_concurrency) for spec in specs],
         affinity_load_factor=settings.engine.affinity_load_factor,
     )
+    admission = app[ADMISSION]
+    app[BODY_MEMORY] = BodyMemory(
+        settings.server.bodies_max_bytes, metrics, lambda: 1.0 / admission.drain_rate
+    )
     app[FORECASTER] = Forecaster(metrics, clock)
     app[FORECASTER].export(settings.deadline)
     app[QUARANTINE] = quarantine = Quarantine(
@@ -161,6 +167,7 @@ def create_app(
             app[LIMITER].reconfigure(new_settings)
         if ACCOUNTING in app:
             app[ACCOUNTING].reconfigure(new_settings)
+        app[BODY_MEMORY].limit = new_settings.server.bodies_max_bytes
         engine = new_settings.engine
         known = app[ENGINES].specs
         app[ADMISSION].reconfigure(

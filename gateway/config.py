@@ -34,6 +34,11 @@ class ServerSettings:
 
     ``max_body_bytes`` defaults to 32 MiB: a 254,976-token prompt is about 1 MB of text, so this
     leaves room for JSON escaping (CJK as ``\\uXXXX`` is 6 bytes a character) and tool schemas.
+    ``bodies_max_bytes`` (1 GiB) bounds the memory the bodies of all model requests hold at once
+    (being read, parsed, waiting in the queue, at an engine), each counted as the estimate of its
+    bytes, decoded text and parsed objects (`gateway.body_memory`): a request past it is refused
+    like one past a full queue (429 ``memory`` at the tenant's share, else 503), one that alone
+    exceeds it with 413.
 
     The three timeouts protect the listener, which faces clients directly (seconds):
     ``keepalive_timeout_s`` closes a connection that sends no complete request line and headers
@@ -66,6 +71,7 @@ class ServerSettings:
     host: str = "0.0.0.0"
     port: int = 8000
     max_body_bytes: int = 33_554_432
+    bodies_max_bytes: int = 1_073_741_824
     shutdown_grace_s: float = 30.0
     drain_delay_s: float = 0.0
     keepalive_timeout_s: float = 60.0
@@ -124,10 +130,11 @@ class EngineSettings:
     non-200 answer marks it down at once (`gateway.engine_watch.poll_health`). Default 10 s: at
     least five failed probes of 1 s, well above a loaded engine's slow ``/health``.
     ``health_interval_s``: seconds between two probes (0.5: vLLM's ``/health`` is a cheap answer
-    of its API server). ``rotation_timeout_s``: a probe unanswered this long, with no byte from
-    the engine meanwhile, takes the engine out of rotation for new requests until a probe
-    answers again: a hung engine is out within ``health_interval_s + rotation_timeout_s`` (0.8 s
-    by default); ``down`` (alerts, ``/ready``) still takes ``unhealthy_after_s``.
+    of its API server). ``rotation_timeout_s`` (several engines): a probe unanswered this long,
+    with no byte from the engine meanwhile, takes the engine out of rotation for new requests
+    until a probe answers again (`gateway.failover`): a hung engine is out within
+    ``health_interval_s + rotation_timeout_s`` (0.8 s by default); ``down`` (alerts,
+    ``/ready``) still takes ``unhealthy_after_s``.
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
     headers, its dialect's opening events and keep-alives while it waits (`gateway.waiting`).
     ``queue_timeout_s``: the longest wait in that queue, 30 minutes by default so that agent

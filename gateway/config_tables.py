@@ -20,6 +20,7 @@ class ConfigError(ValueError):
 RANGES: dict[str, tuple[float, float]] = {
     "server.port": (1, 65535),
     "server.max_body_bytes": (1024, 1 << 31),
+    "server.bodies_max_bytes": (1 << 20, 1 << 42),
     "server.shutdown_grace_s": (0, 3600),
     "server.drain_delay_s": (0, 600),
     "server.keepalive_timeout_s": (1, 3600),

@@ -207,20 +207,27 @@ class Forecaster:
 
         The waiters ahead are those the fair queue grants first (`AdmissionQueue.ahead_of`);
         they and the requests at the engines (each its expected work less the time it already
-        ran, at least 0) are laid out on the slots in grant order, each on the slot that frees
-        first; the newcomer starts when a slot frees after them. Session affinity and requests
+        ran, at least 0) are laid out on the slots of the engines in rotation (all of them when
+        none is) in grant order, each on the slot that frees first; the newcomer starts when a
+        slot frees after them. Session affinity and requests
         arriving later are not foreseen, so the prediction leans early.
         """
         now = self._clock()
-        slots: list[float] = []
-        running = 0
+        engines = [e for e in queue.engines.values() if e.ready] or list(queue.engines.values())
+        busy: dict[str | None, list[float]] = {}
         for entry in self._tracked.values():
             ticket = entry.ticket
             if ticket.granted and ticket.granted_at is not None:
                 prefill_s, output_s = self._seconds(settings, entry.work)
-                slots.append(max(0.0, prefill_s + output_s - (now - ticket.granted_at)))
-                running += 1
-        slots.extend([0.0] * max(0, queue.max_concurrency - len(slots)))
+                left = max(0.0, prefill_s + output_s - (now - ticket.granted_at))
+                busy.setdefault(ticket.engine, []).append(left)
+        slots: list[float] = []
+        running = 0
+        for engine in engines:
+            taken = sorted(busy.get(engine.name, ()))[: engine.slots]
+            running += len(taken)
+            slots.extend(taken)
+            slots.extend([0.0] * (engine.slots - len(taken)))
         heapq.heapify(slots)
         ahead = queue.ahead_of(tenant, background=background)
         for ticket in ahead:
@@ -252,6 +259,7 @@ class Forecaster:
         error = actual - predicted
         direction = "late" if error >= 0 else "early"
         self._metrics.forecast_error.labels(direction).observe(abs(error))
+        log.debug("wait_forecast", predicted_start_s=round(predicted, 3), waited_s=round(actual, 3))
 
     def settled(
         self,

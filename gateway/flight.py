@@ -29,6 +29,9 @@ from typing import Any, Protocol
 
 ENTRY_OVERHEAD_BYTES = 512
 """Bytes counted for a flight's record itself (its object, its index slots) besides its data."""
+CHUNK_OVERHEAD_BYTES = 48
+"""Bytes counted per recorded write besides its data: a ``bytes`` object's header (33 bytes in
+CPython) and its list slot, rounded up; small events would otherwise be undercounted."""
 
 
 class Budget(Protocol):
@@ -170,18 +173,25 @@ class Flight:
     # -- the leader's side (`gateway.relay.ClientStream` calls these as its tap) --
 
     def opened(self, status: int, headers: Mapping[str, str]) -> None:
-        """The leader's stream sent (or would have sent) its status line and headers."""
+        """The leader's stream sent (or would have sent) its status line and headers.
+
+        A stream without an ``Idempotency-Key`` takes no new follower from here on: the SDKs
+        retry a stream only before its headers arrive, and its generation is not kept for a
+        resend once its client left, so recording it would cost memory nobody reads."""
         self.status = status
         self.headers = dict(headers)
+        if self.stream and self.key is None:
+            self.cut = True
         self._notify()
 
     def sent(self, data: bytes) -> None:
         """The leader's stream wrote ``data`` (kept while within the bounds)."""
-        if not data:
-            return
+        if not data or (self.cut and not self.followers):
+            return  # nobody can read it: a plain stream past its headers costs nothing here
         self.chunks.append(data)
-        self.size += len(data)
-        if not self.cut and not self._hold(len(data)):
+        cost = len(data) + CHUNK_OVERHEAD_BYTES
+        self.size += cost
+        if not self.cut and not self._hold(cost):
             self.cut = True
         if self.cut:
             self._trim()
@@ -291,7 +301,7 @@ class Flight:
             keep_from = min((f.pos for f in self.followers), default=end)
             drop = keep_from - self.base
             if drop > 0:
-                self.size -= sum(len(c) for c in self.chunks[:drop])
+                self.size -= sum(len(c) + CHUNK_OVERHEAD_BYTES for c in self.chunks[:drop])
                 del self.chunks[:drop]
                 self.base = keep_from
             if self.size <= self._limit or not self.followers:
@@ -316,4 +326,5 @@ class Flight:
     def _expire(self) -> None:
         self._timer = None
         if self.clients == 0 and not self.done and self.task is not None:
+            self.cut = True  # ending: nobody may attach to it any more
             self.task.cancel("no client reads this generation")

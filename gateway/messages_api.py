@@ -21,14 +21,15 @@ from typing import Any
 from aiohttp import web
 
 from gateway.affinity import Affinity, session_key
-from gateway.body import client_body, read_body, unplannable_as_400
+from gateway.body import client_body, unplannable_as_400
+from gateway.body_memory import BodyHold, read_held
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput, PromptCounter
 from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
 from gateway.middleware import credential
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
-from gateway.state import BUDGETS, CONTEXT, ENGINE_STATE, ENGINES
+from gateway.state import BODY_MEMORY, BUDGETS, CONTEXT, ENGINE_STATE, ENGINES, Caller
 from gateway.translate.anthropic_errors import (
     anthropic_error,
     anthropic_error_bytes,
@@ -143,14 +144,27 @@ async def count_tokens(request: web.Request) -> web.Response:
         NotFound: the model is neither the alias nor an accepted name.
         RateLimited: the tenant's requests-per-minute limit.
         EngineUnavailable, UpstreamError: the engine cannot count now.
+        PayloadTooLarge, RateLimited: the body does not fit ``server.bodies_max_bytes``.
     """
-    app = request.app
     context = request[CONTEXT]
     caller = context.caller
     assert caller is not None, "authentication runs first"
-    settings = context.live.settings
-    raw = await read_body(request, settings.server.max_body_bytes, settings.server.body_timeout_s)
+    memory = request.app[BODY_MEMORY]
+    hold = BodyHold(caller.tenant.name, caller.tenant.weight)
+    try:
+        return await _count_tokens(request, caller, hold)
+    finally:
+        memory.release(hold)
+
+
+async def _count_tokens(
+    request: web.Request, caller: Caller, memory_hold: BodyHold
+) -> web.Response:
+    app = request.app
+    settings = request[CONTEXT].live.settings
+    raw = await read_held(request, app[BODY_MEMORY], memory_hold, settings.server, caller.label)
     client = client_body(raw, credential(request, ANTHROPIC))
+    del raw  # held only while parsed (`gateway.body_memory`)
     with unplannable_as_400():
         translated = translate_messages(
             client, max_model_len=settings.engine.max_model_len, count_only=True

@@ -195,6 +195,12 @@ class Metrics:
             "Requests waiting in the admission queue for an engine slot.",
             registry=registry,
         )
+        self.body_memory = Gauge(
+            "gateway_body_memory_bytes",
+            "Estimated memory held by the bodies of model requests in this process (being read, "
+            "queued or at an engine), bounded by server.bodies_max_bytes.",
+            registry=registry,
+        )
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds",
             "Time a request waited in the admission queue.",
@@ -204,7 +210,8 @@ class Metrics:
         )
         self.rate_limited = Counter(
             "gateway_rate_limited",
-            "Requests refused with 429, by tenant and limit (requests|tokens|concurrency|queue).",
+            "Requests refused with 429, by tenant and limit "
+            "(requests|tokens|concurrency|queue|memory|...).",
             ("tenant", "limit"),
             registry=registry,
         )

@@ -25,6 +25,7 @@ from gateway.http_errors import error_for
 from gateway.metrics import ROUTES
 from gateway.secret_scan import looks_like_credential
 from gateway.state import (
+    BODY_MEMORY,
     CLOCK,
     CONTEXT,
     DIALECTS,
@@ -196,6 +197,8 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
         # bodies would wait for the next full garbage collection, which the gateway's gc
         # thresholds make rare (gateway.server), and hold many requests' bodies at once.
         call.plan = None
+        if call.body_hold is not None:
+            app[BODY_MEMORY].release(call.body_hold)
 
 
 @web.middleware

@@ -26,7 +26,8 @@ from aiohttp import web
 
 from gateway.accounting import Accounting
 from gateway.affinity import Affinity, session_key
-from gateway.body import client_body, read_body, unplannable_as_400
+from gateway.body import client_body, unplannable_as_400
+from gateway.body_memory import BodyHold, read_held
 from gateway.budget import reserve_budgets
 from gateway.deadline import door_check, enqueued, finished, predict
 from gateway.dialects import Dialect, PlanInput
@@ -56,6 +57,7 @@ from gateway.settling import release_ticket, run_to_end, settle, take_baseline
 from gateway.state import (
     ADMISSION,
     ANSWER_WORKER,
+    BODY_MEMORY,
     CLOCK,
     CONTEXT,
     DRAIN,
@@ -97,17 +99,27 @@ def open_call(request: web.Request, dialect: Dialect) -> ModelCall:
     return call
 
 
+async def hold_body(request: web.Request, call: ModelCall) -> bytes:
+    """Read the body within ``server.bodies_max_bytes`` (`gateway.body_memory.read_held`); the
+    hold (``call.body_hold``) is released by `gateway.middleware.finish_request` when the
+    request's bodies are dropped."""
+    tenant = call.caller.tenant
+    hold = call.body_hold = BodyHold(tenant.name, tenant.weight)
+    memory = request.app[BODY_MEMORY]
+    return await read_held(request, memory, hold, call.settings.server, call.caller.label)
+
+
 async def plan_call(request: web.Request, call: ModelCall) -> bytes:
     """Read and parse the body, then let the dialect validate and rewrite it (``call.plan``);
-    returns the body's bytes as received (after any ``Content-Encoding``).
+    returns the body's bytes as received (after any ``Content-Encoding``), which the caller
+    drops before it waits (`gateway.body_memory` counts them only while the body is planned).
 
     Raises:
         PayloadTooLarge, RequestTimeout, BadRequest: the body could not be read or parsed.
         ClientError: the dialect refused the body (bad field, unknown model, policy).
     """
     live = call.live
-    server = live.settings.server
-    raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+    raw = await hold_body(request, call)
     body = client_body(raw, credential(request, call.dialect))
     call.background = background_request(request.headers, body)
     session = session_key(request.headers, body)
@@ -141,9 +153,11 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     raw = await plan_call(request, call)
     settings = call.settings.retries
     if not settings.enabled:
+        del raw
         return await run_call(request, call)
     flights = app[FLIGHTS]
     digest = body_digest(call.context.route, raw)
+    del raw
     key = idempotency_key(request)
     tenant = call.caller.tenant.name
     found, match = flights.find(settings, tenant, digest, key, retry_count(request))
@@ -263,8 +277,8 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
             remaining = max(0.0, engine.queue_timeout_s - ticket.waited_s)
             if not await state.wait_ready(remaining):
                 raise state.unavailable()
-        if not app[ENGINES].state(ticket.engine).ready:
-            # Granted while no engine was ready; another one came back first.
+        if app[ENGINES].elsewhere(ticket.engine):
+            # Granted while no engine was ready, or its engine stalled since: another one is in.
             await _move(app, call, ticket.engine)
     except GatewayError as exc:
         if stream is None or stream.response is None:

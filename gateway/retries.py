@@ -16,9 +16,10 @@ counts it in ``attaches``) when one of these rules holds:
    error); a 5xx, an engine failure mid-stream, or a refusal before the engine (429, 503) is not
    kept, so a retry with the key runs again.
 2. **A marked SDK retry** (``x-stainless-retry-count`` of 1 or more, what the ``openai`` and
-   ``anthropic`` SDKs send on their retries): attaches to a running copy, or replays a copy
-   that finished, answered to nobody (its clients had all gone), less than
-   ``retries.retry_window_s`` ago.
+   ``anthropic`` SDKs send on their retries): attaches to a running copy (a stream without a
+   key only until its headers went out: the SDKs never retry a stream after them, so nothing
+   of it is recorded past them), or replays a copy that finished, answered to nobody (its
+   clients had all gone), less than ``retries.retry_window_s`` ago.
 3. **An unmarked resend** (no key, retry count 0 or absent: Claude Code's resend after it closed
    its first connection): attaches only to a copy none of whose clients is connected any more:
    running in its orphan grace (below), or finished unanswered within ``retry_window_s``. An
@@ -53,7 +54,7 @@ from gateway.config import RetriesSettings
 from gateway.errors import BadGateway, BadRequest, ClientError, GatewayError
 from gateway.flight import ENTRY_OVERHEAD_BYTES, Flight, Follower
 from gateway.relay import TAP
-from gateway.state import ModelCall
+from gateway.state import METRICS, ModelCall
 
 log = structlog.get_logger("gateway.retries")
 
@@ -351,6 +352,10 @@ async def lead(
             flight.cut = True  # the stream ended without its end: nothing whole to replay
         flight.finish(body=body, error=error)
         call.attaches = flight.attaches
+        if flight.detached:
+            # The leader's own client left; its answer went to the connections attached.
+            call.context.reason = call.context.reason or "retry_detached"
+            request.app[METRICS].client_disconnects.labels(call.caller.label).inc()
         flights.close(settings, flight, keep)
 
 

@@ -21,6 +21,7 @@ from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue, Ticket
 from gateway.answers import AnswerWorker
 from gateway.auth import Authenticator, Principal, revoked_digests
+from gateway.body_memory import BodyHold, BodyMemory
 from gateway.budgets import Budgets, Hold
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
 from gateway.counters import Baseline, IdleCounters
@@ -156,6 +157,8 @@ class ModelCall:
         plan: the engine request and its facts, once the body was planned.
         hold: what the call holds against its tenant's budgets (`gateway.budgets`), once taken.
         ticket: the admission ticket, once queued.
+        body_hold: the memory its body holds (`gateway.body_memory`), once reading began;
+            released when the request is finished.
         usage: the token counts.
         queued_s: seconds waited in the admission queue, once granted.
         engine_request_id: the id the engine gets (body ``request_id`` and ``X-Request-Id``),
@@ -181,6 +184,7 @@ class ModelCall:
     plan: RequestPlan | None = None
     hold: Hold | None = None
     ticket: Ticket | None = None
+    body_hold: BodyHold | None = None
     usage: Meter = field(default_factory=Meter)
     queued_s: float | None = None
     ttft_s: float | None = None
@@ -221,6 +225,7 @@ LIMITER = web.AppKey("limiter", RateLimiter)
 BUDGETS = web.AppKey("budgets", Budgets)
 ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)
+BODY_MEMORY = web.AppKey("body_memory", BodyMemory)
 FORECASTER = web.AppKey("forecaster", Forecaster)
 QUARANTINE = web.AppKey("quarantine", Quarantine)
 RELOADER = web.AppKey("reloader", Reloader)

@@ -167,6 +167,22 @@ def test_the_work_ahead_is_laid_out_on_several_slots() -> None:
     assert forecaster.forecast(queue, SPEEDS, "e", Work(0, 10)).start_s == pytest.approx(25.0)
 
 
+def test_only_engines_in_rotation_take_the_work_ahead() -> None:
+    """Two one-slot engines, one out of rotation: the work ahead runs on the other alone."""
+    clock = FakeClock()
+    queue = AdmissionQueue(
+        1, 64, 600.0, Metrics(CollectorRegistry()), clock=clock, engines=[("e1", 1), ("e2", 1)]
+    )
+    forecaster = Forecaster(Metrics(CollectorRegistry()), clock)
+    track_waiting(queue, forecaster, "a", Work(0, 100))  # 10 s on e1
+    track_waiting(queue, forecaster, "b", Work(0, 200))  # 20 s on e2
+    track_waiting(queue, forecaster, "c", Work(0, 50))  # waits for e1: 10 .. 15 s
+    assert forecaster.forecast(queue, SPEEDS, "d", Work(0, 10)).start_s == pytest.approx(15.0)
+    queue.set_ready("e1", False)
+    # e2 alone: its 20 s, then c's 5 s.
+    assert forecaster.forecast(queue, SPEEDS, "d", Work(0, 10)).start_s == pytest.approx(25.0)
+
+
 def test_the_expected_output_is_the_running_mean_capped_by_the_budget() -> None:
     """A max_tokens far above the usual answer is not what the wait is predicted with."""
     forecaster = Forecaster(Metrics(CollectorRegistry()), FakeClock())

@@ -4,6 +4,7 @@ tenant's request."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -115,6 +116,12 @@ def test_openai_non_streamed_request_over_its_timeout_gets_503_at_once(gw: Gatew
     assert gw.metric("gateway_deadline_refusals_total", tenant="acme", dialect="chat") == 1
     assert gw.metric("gateway_deadline_refusals_total", reason="queue") == 1
 
+    # The Responses API in the same shape.
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.responses.create(model=ALIAS, input="short", timeout=SHORT_S)
+    assert refused.value.response.json()["error"]["code"] == "engine_overloaded"
+    assert gw.metric("gateway_deadline_refusals_total", dialect="responses") == 1
+
     served = client.chat.completions.create(
         model=ALIAS, messages=[{"role": "user", "content": "generous"}], timeout=120
     )
@@ -123,8 +130,16 @@ def test_openai_non_streamed_request_over_its_timeout_gets_503_at_once(gw: Gatew
         thread.join(60)
     client.close()
     assert engine_saw(gw, "short") == 0 and engine_saw(gw, "generous") == 1
+    ledger = gw.config_path.with_name("gw-usage.sqlite3")
+
+    def recorded() -> list[tuple[int, int, int]]:
+        with sqlite3.connect(ledger) as db:
+            query = "SELECT status, prompt_tokens, completion_tokens FROM usage WHERE request_id=?"
+            return list(db.execute(query, (request_id,)))
+
+    assert wait_until(lambda: recorded() == [(503, 0, 0)], 10)  # recorded, charged nothing
     assert gw.metric("gateway_tokens_total", tenant="acme", type="prompt") > 0
-    assert gw.metric("gateway_deadline_refusals_total") == 1
+    assert gw.metric("gateway_deadline_refusals_total") == 2
     # The served request waited in the queue: its predicted start was measured.
     assert gw.metric("gateway_queue_start_forecast_error_seconds_count") >= 1
 
@@ -220,3 +235,24 @@ def test_a_tenant_default_deadline_applies_when_the_client_states_none(gw: Gatew
     )
     assert stated.status_code == 200
     threads[0].join(60)
+
+
+def test_a_stream_without_keepalives_in_time_is_judged_like_a_non_streamed_one(
+    sim_factory: Callable[..., Any], gateway_factory: Callable[..., Gateway]
+) -> None:
+    """With no keep-alive while queued (queued_comment_after_s = 0), a stream whose slot comes
+    after its timeout is refused at once (reason stream_silence); without a timeout it waits."""
+    config = {**CONFIG, "engine": {"max_concurrency": 1, "queued_comment_after_s": 0}}
+    gw = gateway_factory(sim_factory("--completion-tokens", "12"), config)
+    threads = hold_slot(gw)
+    client = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, max_retries=0)
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.chat.completions.create(model=ALIAS, messages=MESSAGE, stream=True, timeout=SHORT_S)
+    assert refused.value.response.status_code == 503
+    assert gw.metric("gateway_deadline_refusals_total", reason="stream_silence") == 1
+    chunks = list(
+        client.chat.completions.create(model=ALIAS, messages=MESSAGE, stream=True, timeout=60)
+    )
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    threads[0].join(60)
+    client.close()

@@ -40,6 +40,7 @@ from gateway.metrics import (
     TOKEN_TYPES,
     UPSTREAM_ERROR_KINDS,
 )
+from gateway.retries import MATCHES, OUTCOMES
 from tests import test_prometheus_rules as deploy_rules
 from tests.conftest import (
     ALIAS,
@@ -602,6 +603,8 @@ def test_random_models_paths_keys_and_agents_cannot_grow_label_sets(obs: Gateway
         "result": set(RELOAD_RESULTS),
         "backend": set(RATELIMIT_BACKENDS),
         "engine": {"default"},  # the configured engine names: one engine here
+        "match": set(MATCHES),
+        "outcome": set(OUTCOMES),
     }
     series = _series(text)
     assert "gateway_requests" in series

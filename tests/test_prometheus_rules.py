@@ -32,6 +32,7 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway_tokens_total": ("counter", ("tenant", "type")),
     "gateway_requests_in_flight": ("gauge", ("tenant",)),
     "gateway_queue_depth": ("gauge", ()),
+    "gateway_body_memory_bytes": ("gauge", ()),
     "gateway_queue_wait_seconds": ("histogram", ("tenant",)),
     "gateway_rate_limited_total": ("counter", ("tenant", "limit")),
     "gateway_auth_failures_total": ("counter", ("reason",)),

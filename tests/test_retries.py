@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gateway import ledger
 from gateway.flight import Flight
 from gateway.retries import FLIGHTS
 from gateway.state import ACCOUNTING, FINISH_HOOKS, METRICS, RequestContext
@@ -136,10 +137,10 @@ async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None
     """The first client closing does not cancel a generation another connection reads."""
     seen = recorded(stack)
     body = chat_body(stream=True, max_tokens=30, sim=SLOW)
-    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    keyed = {**AUTH_A, "Idempotency-Key": "first-gone"}
+    first = await stack.client.post(CHAT, json=body, headers=keyed)
     await first.content.readuntil(b"\n\n")
-    retry = {**AUTH_A, "x-stainless-retry-count": "1"}
-    second = await stack.client.post(CHAT, json=body, headers=retry)
+    second = await stack.client.post(CHAT, json=body, headers=keyed)
     assert second.status == 200
     first.close()
     events = sse_data(await second.read())
@@ -148,8 +149,23 @@ async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None
     assert await until(lambda: len(seen) == 1)
     call = seen[0].call
     assert call is not None and call.attaches == 1 and call.usage.completion_tokens == 30
-    assert seen[0].status == 200
-    assert matches(stack, "sdk_retry", "attach") == 1
+    assert seen[0].status == 200 and seen[0].reason == "retry_detached"
+    assert matches(stack, "key", "attach") == 1
+
+
+async def test_plain_stream_records_nothing_past_its_headers(stack: Stack) -> None:
+    """A stream without a key keeps no bytes for retries once its headers went out (the SDKs
+    retry a stream only before them): a marked retry then runs on its own."""
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    await first.content.readuntil(b"\n\n")
+    await first.content.readuntil(b"\n\n")
+    assert stack.app[FLIGHTS].bytes == 0
+    retry = {**AUTH_A, "x-stainless-retry-count": "1"}
+    second = await stack.client.post(CHAT, json=body, headers=retry)
+    assert "Idempotent-Replayed" not in second.headers
+    await asyncio.gather(first.read(), second.read())
+    assert generations(stack) == 2
 
 
 async def test_all_clients_gone_cancels_after_grace(stack: Stack) -> None:
@@ -200,15 +216,77 @@ async def test_unmarked_resend_attaches_to_orphaned_generation(stack: Stack) -> 
     assert matches(stack, "resend", "attach") == 1
 
 
-async def test_stream_without_key_is_cancelled_when_its_client_leaves(stack: Stack) -> None:
-    """A stream without a key is aborted at the engine as soon as its client leaves (no grace)."""
-    seen = recorded(stack)
-    body = chat_body(stream=True, max_tokens=200, sim={"tokens_per_second": 20})
-    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
-    await first.content.readuntil(b"\n\n")
-    first.close()
-    assert await until(lambda: len(seen) == 1, timeout=0.9)
-    assert seen[0].status == 499
+async def test_stream_without_key_is_cancelled_when_its_client_leaves(
+    aiohttp_client: Any,
+) -> None:
+    """A stream without a key is aborted at the engine as soon as its client leaves: no grace."""
+    async with open_stack(aiohttp_client, {"retries": {"orphan_grace_s": 60}}) as stack:
+        seen = recorded(stack)
+        body = chat_body(stream=True, max_tokens=200, sim={"tokens_per_second": 20})
+        first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+        await first.content.readuntil(b"\n\n")
+        first.close()
+        assert await until(lambda: len(seen) == 1, timeout=20)
+        assert seen[0].status == 499
+        assert stack.sim is not None
+        assert await until(lambda: generations(stack) == 1)
+        assert [r["outcome"] for r in stack.sim.model_records()] == ["aborted"]
+
+
+async def test_queued_leader_leaving_keeps_its_place_for_the_attached(aiohttp_client: Any) -> None:
+    """A queued stream whose client left while a retry with its key waits: the retry keeps the
+    place and gets the queued stream's every byte, from one generation."""
+    config = {"engine": {"queued_comment_after_s": 0.1}, "server": {"sse_keepalive_s": 0.1}}
+    async with open_stack(aiohttp_client, config) as stack:
+        blocker = chat_body(max_tokens=20, sim={"tokens_per_second": 20, "completion_tokens": 20})
+        hold = asyncio.ensure_future(stack.client.post(CHAT, json=blocker, headers=AUTH_B))
+        assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+        headers = {**AUTH_A, "Idempotency-Key": "queued"}
+        body = chat_body(stream=True, max_tokens=5, sim={"completion_tokens": 5})
+        first = await stack.client.post(CHAT, json=body, headers=headers)
+        assert b": queued" in await first.content.readuntil(b"\n\n")
+        second = await stack.client.post(CHAT, json=body, headers=headers)
+        first.close()
+        events = sse_data(await second.read())
+        assert events[-1] == "[DONE]"
+        assert (await hold).status == 200
+        assert generations(stack) == 2
+        assert matches(stack, "key", "attach") == 1
+
+
+async def test_bad_idempotency_key_is_400_without_quoting_it(stack: Stack) -> None:
+    """An Idempotency-Key that is too long or not printable ASCII is a 400 that does not quote it."""
+    for value in ("k" * 256, "caf\u00e9"):
+        reply = await stack.client.post(
+            CHAT,
+            json=chat_body(max_tokens=2),
+            headers={**AUTH_A, "Idempotency-Key": value.encode().decode("latin-1")},
+        )
+        assert reply.status == 400
+        error = (await reply.json())["error"]
+        assert error["param"] == "Idempotency-Key" and "kkkk" not in error["message"]
+    assert generations(stack) == 0
+
+
+def test_an_older_ledger_gains_the_attaches_column(tmp_path: Any) -> None:
+    """A ledger file without ``attaches`` gains it at the first open, 0 for its old rows."""
+    path = tmp_path / "usage.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE usage (ts REAL NOT NULL, day TEXT NOT NULL, tenant TEXT NOT NULL, "
+        "key_id TEXT NOT NULL, subject TEXT, endpoint TEXT NOT NULL, status INTEGER NOT NULL, "
+        "prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
+        "reasoning_tokens INTEGER, queue_s REAL, ttft_s REAL, duration_s REAL NOT NULL, "
+        "request_id TEXT NOT NULL, record_id TEXT, engine TEXT);"
+        "INSERT INTO usage VALUES (1, '1970-01-01', 't', 'k', NULL, '/v1/chat/completions', "
+        "200, 1, 1, NULL, NULL, NULL, 0.1, 'old', 'r1', NULL);"
+    )
+    conn.commit()
+    conn.close()
+    opened = ledger.connect(path)
+    rows = opened.execute("SELECT request_id, attaches FROM usage").fetchall()
+    opened.close()
+    assert rows == [("old", 0)]
 
 
 async def test_engine_5xx_is_not_replayed(stack: Stack) -> None:
@@ -293,16 +371,52 @@ def test_flight_trims_to_its_bound() -> None:
     )
     follower = flight.join()
     for _ in range(3):
-        flight.sent(b"x" * 300)
-    assert len(flight.pending(follower)) == 900
-    flight.sent(b"x" * 300)
-    flight.sent(b"x" * 300)
+        flight.sent(b"x" * 252)  # 300 bytes counted each with CHUNK_OVERHEAD_BYTES
+    assert len(flight.pending(follower)) == 756
+    flight.sent(b"x" * 252)
+    flight.sent(b"x" * 252)
     assert flight.cut and not flight.attachable
     assert flight.size == 600
-    assert len(flight.pending(follower)) == 600
+    assert len(flight.pending(follower)) == 504
     for _ in range(20):
-        flight.sent(b"y" * 300)
+        flight.sent(b"y" * 252)
         assert flight.size <= 1000 + 300
     assert follower.lost
     assert flight.size <= 1000
     assert sum(taken) == flight.held() <= 1000
+
+
+DIALECT_BODIES: dict[str, dict[str, Any]] = {
+    CHAT: {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20},
+    "/v1/completions": {"model": ALIAS, "prompt": "hi", "max_tokens": 20},
+    "/v1/responses": {"model": ALIAS, "input": "hi", "max_output_tokens": 20},
+    MESSAGES: {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("route", list(DIALECT_BODIES))
+async def test_every_dialect_attaches_with_a_key(
+    aiohttp_client: Any, route: str, stream: bool
+) -> None:
+    """On each API, streamed or not, a retry with the key while the answer runs gets the same
+    bytes from one generation, and one after it ends gets them replayed; one ledger record."""
+    async with open_stack(aiohttp_client, tokens_per_second=20, completion_tokens=20) as stack:
+        seen = recorded(stack)
+        headers = {**AUTH_A, "Idempotency-Key": f"dialect-{route}"}
+        body = {**DIALECT_BODIES[route], "stream": stream}
+        first = asyncio.ensure_future(stack.client.post(route, json=body, headers=headers))
+        assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+        await asyncio.sleep(0.3)
+        second = await stack.client.post(route, json=body, headers=headers)
+        leader = await first
+        one, two = await leader.read(), await second.read()
+        assert leader.status == second.status == 200
+        assert second.headers["Idempotent-Replayed"] == "true"
+        assert one == two and len(one) > 100
+        third = await stack.client.post(route, json=body, headers=headers)
+        assert await third.read() == one
+        assert generations(stack) == 1
+        assert await until(lambda: len(seen) == 1)
+        assert seen[0].call is not None and seen[0].call.attaches == 1  # the replay came later
+        assert matches(stack, "key", "attach") == matches(stack, "key", "replay") == 1
