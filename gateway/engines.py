@@ -5,7 +5,7 @@ the app starts) and its `EngineState` (set by its own health poller and by the p
 request's connection fails). An engine is in the admission queue's rotation
 (`AdmissionQueue.set_ready`) while it is ready and not stalled (`gateway.failover.Rotation`: a
 slow or failed probe with nothing else from the engine). A change of its state counts a death
-for the requests that were at it
+for the requests that were at it (and, for an engine that hangs, ends its answers)
 (`gateway.quarantine`, per engine), forgets the sessions it held (its prefix cache died with it),
 and sets the fleet's state: ready while any engine is ready (`/ready`, ``gateway_engine_up``,
 the 503 of a request that finds no engine).
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 from gateway.admission import AdmissionQueue
@@ -61,6 +62,7 @@ class Engines:
         self._quarantine = quarantine
         self._metrics = metrics
         self._tasks: list[asyncio.Task[None]] = []
+        self._settings: Callable[[], EngineSettings] | None = None
         metrics.prime_engines(self.specs)
         metrics.engine_slots.source = lambda: [
             (e.name, e.slots, e.in_flight, e.ready) for e in queue.engines.values()
@@ -123,6 +125,7 @@ class Engines:
 
     def start(self, settings: Callable[[], EngineSettings]) -> None:
         """Open each engine's session and start its health poller (in the running loop)."""
+        self._settings = settings
         for name, spec in self.specs.items():
             upstream = Upstream(settings(), self._metrics, spec)
             self.upstreams[name] = upstream
@@ -151,6 +154,7 @@ class Engines:
         self._place(name, name in self.rotation.stalled)
         if status == "down":
             self.rotation.signal(name, DOWN)
+            self._cut_silent(name)
         if status == "down" and previous in ("ready", "warming"):
             self._quarantine.engine_died(name)
             self.affinity.forget_engine(name)
@@ -161,6 +165,19 @@ class Engines:
         if overall == "starting" and any(s.status == "down" for s in self.states.values()):
             overall = "down"
         self.overall.set(overall, None if overall == "ready" else f"engine {name} {status}")
+
+    def _cut_silent(self, name: str) -> None:
+        """Engine ``name`` was marked down: with several engines, when nothing at all came from
+        it for ``engine.unhealthy_after_s`` (it hangs), end its open answers (a stream then
+        ends with its dialect's error event, `EngineDisconnected`) instead of leaving them to
+        ``read_timeout_s``. An engine still streaming is never cut."""
+        upstream = self.upstreams.get(name)
+        if upstream is None or len(self.specs) < 2 or self._settings is None:
+            return
+        if time.monotonic() - upstream.progress_at < self._settings().unhealthy_after_s:
+            return
+        for answer in list(upstream.answers):
+            answer.abort()
 
     def _place(self, name: str, stalled: bool) -> None:
         """Engine ``name`` in the queue's rotation while ready and not stalled."""

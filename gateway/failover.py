@@ -15,7 +15,9 @@ request at once even while busy), the request never reached the engine and goes 
 got no byte is treated like one whose engine died under it (`EngineUnreachable` with ``sent``:
 retried once elsewhere, a death for the quarantine, as for a crash). A request the engine read
 stays while the engine is only stalled: a one-slot engine in a long prefill may answer
-``/health`` late and still be working on it.
+``/health`` late and still be working on it. When an engine is marked down with nothing at all
+from it for ``engine.unhealthy_after_s``, its open answers end too (`gateway.engines`): a
+stream gets its dialect's error event instead of waiting for ``engine.read_timeout_s``.
 """
 
 from __future__ import annotations

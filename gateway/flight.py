@@ -29,6 +29,9 @@ from typing import Any, Protocol
 
 ENTRY_OVERHEAD_BYTES = 512
 """Bytes counted for a flight's record itself (its object, its index slots) besides its data."""
+CHUNK_OVERHEAD_BYTES = 48
+"""Bytes counted per recorded write besides its data: a ``bytes`` object's header (33 bytes in
+CPython) and its list slot, rounded up; small events would otherwise be undercounted."""
 
 
 class Budget(Protocol):
@@ -95,6 +98,7 @@ class Flight:
         "headers",
         "key",
         "overhead",
+        "rendered",
         "request_id",
         "running",
         "size",
@@ -144,7 +148,8 @@ class Flight:
         self.followers: list[Follower] = []
         self.task: asyncio.Task[Any] | None = None
         self.overhead = 0
-        self.running: Callable[[], bool] = lambda: False
+        self.rendered: tuple[int, dict[str, str], bytes] | None = None
+        self.running: Callable[[], bool] = _never
         self._grace = 0.0
         self._leader_state: bool | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -155,7 +160,7 @@ class Flight:
         """A new connection may attach: the whole answer so far is kept and none failed."""
         if self.cut:
             return False
-        if not self.done:
+        if not self.done or self.rendered is not None:
             return True
         return self.error is None and (self.body is not None or self.stream)
 
@@ -183,11 +188,12 @@ class Flight:
 
     def sent(self, data: bytes) -> None:
         """The leader's stream wrote ``data`` (kept while within the bounds)."""
-        if not data:
-            return
+        if not data or (self.cut and not self.followers):
+            return  # nobody can read it: a plain stream past its headers costs nothing here
         self.chunks.append(data)
-        self.size += len(data)
-        if not self.cut and not self._hold(len(data)):
+        cost = len(data) + CHUNK_OVERHEAD_BYTES
+        self.size += cost
+        if not self.cut and not self._hold(cost):
             self.cut = True
         if self.cut:
             self._trim()
@@ -278,6 +284,14 @@ class Flight:
         self._held += size
         return True
 
+    def settle(self) -> None:
+        """The leader is done: drop what refers back to its request (its task and result, its
+        call, its error's traceback), so a flight kept for replay holds only its answer."""
+        self.task = None
+        self.running = _never
+        if self.rendered is not None:
+            self.error = None
+
     def release(self) -> None:
         """Give every byte this flight holds back to the shared bound (it is forgotten: no new
         connection finds it; followers still reading hold the data until they are done)."""
@@ -297,7 +311,7 @@ class Flight:
             keep_from = min((f.pos for f in self.followers), default=end)
             drop = keep_from - self.base
             if drop > 0:
-                self.size -= sum(len(c) for c in self.chunks[:drop])
+                self.size -= sum(len(c) + CHUNK_OVERHEAD_BYTES for c in self.chunks[:drop])
                 del self.chunks[:drop]
                 self.base = keep_from
             if self.size <= self._limit or not self.followers:
@@ -324,3 +338,7 @@ class Flight:
         if self.clients == 0 and not self.done and self.task is not None:
             self.cut = True  # ending: nobody may attach to it any more
             self.task.cancel("no client reads this generation")
+
+
+def _never() -> bool:
+    return False

@@ -18,6 +18,7 @@ import re
 import struct
 import termios
 import time
+import weakref
 from collections.abc import Sequence
 from socket import AF_UNIX
 from typing import Any
@@ -114,7 +115,7 @@ class Upstream:
     there is no total timeout (thinking answers run for many minutes), only ``connect_timeout_s``
     and ``read_timeout_s`` between two reads. ``progress_at`` is the engine's last sign of life
     (`time.monotonic`): a probe answered, or any byte of any answer (the failover rule of
-    `gateway.engine_watch.poll_health`).
+    `gateway.engine_watch.poll_health`); ``answers`` the answers still open.
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class Upstream:
         self._metrics = metrics
         self.name = spec.name if spec is not None else "default"
         self.progress_at = float("-inf")
+        self.answers: weakref.WeakSet[UpstreamAnswer] = weakref.WeakSet()  # not ended yet
         connector: aiohttp.BaseConnector
         if spec is not None and spec.url:
             # An engine on another host: TLS with the system's trust store and host-name check.
@@ -204,7 +206,9 @@ class Upstream:
             error = EngineUnreachable(sent=True) if gone else EngineDisconnected()
             raise self.failed(error, exc) from exc
         self.progress_at = time.monotonic()
-        return UpstreamAnswer(self, response)
+        answer = UpstreamAnswer(self, response)
+        self.answers.add(answer)
+        return answer
 
     async def count_prompt(self, body: bytes, timeout: float) -> int | None:
         """The engine's own prompt token count of an engine request body, or None.
@@ -293,7 +297,7 @@ class UpstreamAnswer:
     already counted.
     """
 
-    __slots__ = ("_content", "_response", "_upstream", "broken", "status")
+    __slots__ = ("__weakref__", "_content", "_response", "_upstream", "broken", "status")
 
     def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
         self._upstream = upstream
@@ -391,10 +395,13 @@ class UpstreamAnswer:
 
     def release(self) -> None:
         """The body was read to its end: return the connection to the pool."""
+        self._upstream.answers.discard(self)
         self._response.release()
 
     def abort(self) -> None:
-        """Close the connection: the engine aborts the generation (case C10)."""
+        """Close the connection: the engine aborts the generation (case C10); a read waiting on
+        it fails (`EngineDisconnected`)."""
+        self._upstream.answers.discard(self)
         self._response.close()
 
 

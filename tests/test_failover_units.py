@@ -19,7 +19,7 @@ from gateway.admission import AdmissionQueue
 from gateway.config import EngineSettings, EngineSpec, QuarantineSettings
 from gateway.engine_watch import poll_health
 from gateway.engines import Engines
-from gateway.errors import EngineUnreachable
+from gateway.errors import EngineDisconnected, EngineUnreachable
 from gateway.failover import DOWN, STALLED, EngineStalled, Rotation
 from gateway.metrics import Metrics
 from gateway.quarantine import Quarantine
@@ -43,6 +43,7 @@ class Engine:
     def __init__(self) -> None:
         self.hang = asyncio.Event()  # set: /health never answers
         self.beats = 0
+        self.pause = 0.0  # seconds of silence after the first event
 
     async def health(self, request: web.Request) -> web.Response:
         while self.hang.is_set():
@@ -53,9 +54,9 @@ class Engine:
         await request.read()
         response = web.StreamResponse()
         await response.prepare(request)
-        for _ in range(self.beats):
+        for beat in range(self.beats):
             await response.write(b"data: {}\n\n")
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(self.pause if beat == 0 and self.pause else 0.05)
         await response.write_eof()
         return response
 
@@ -228,5 +229,46 @@ async def test_prompt_counts_and_granted_requests_go_to_an_engine_in_rotation() 
         assert fleet.counter("e1").name == "e0"  # none in rotation: the first ready one
         fleet.rotation.set("e1", True, None)
         assert fleet.counter(None).name == "e1" and fleet.in_rotation("e1")
+    finally:
+        await fleet.close()
+
+
+async def test_an_engine_marked_down_ends_its_answers_only_when_silent(
+    fake_engine: tuple[Engine, str],
+) -> None:
+    """Marked down right after a byte, an engine's stream goes on to its end; marked down with
+    nothing from it for unhealthy_after_s, its open answer is ended (the read fails)."""
+    stand_in, socket = fake_engine
+    metrics = Metrics(CollectorRegistry())
+    specs = [EngineSpec(name="e0", socket=socket), EngineSpec(name="e1", socket="/nonexistent/e1")]
+    queue = AdmissionQueue(1, 8, 60, metrics, engines=[(s.name, 1) for s in specs])
+    overall = EngineState(metrics, quiet=True)
+    fleet = Engines(
+        specs,
+        metrics,
+        time.monotonic,
+        overall,
+        queue,
+        Quarantine(QuarantineSettings(enabled=False), b"k" * 32, metrics),
+    )
+    fleet.start(lambda: EngineSettings(health_interval_s=600, unhealthy_after_s=0.3))
+    state, upstream = fleet.states["e0"], fleet.upstreams["e0"]
+    try:
+        assert await until(lambda: state.ready)
+        stand_in.beats = 10
+        answer = await upstream.post("/v1/chat/completions", b"{}", "r1")
+        await answer.__anext__()
+        state.set("down", "health timeout")
+        assert len([chunk async for chunk in answer.chunks()]) >= 8  # not cut
+        answer.release()
+        state.set("ready")
+        stand_in.beats, stand_in.pause = 2, 30.0
+        silent = await upstream.post("/v1/chat/completions", b"{}", "r2")
+        await silent.__anext__()
+        await asyncio.sleep(0.4)
+        state.set("down", "health timeout")
+        with pytest.raises(EngineDisconnected):
+            await asyncio.wait_for(silent.__anext__(), 2)
+        assert len(upstream.answers) == 0
     finally:
         await fleet.close()

@@ -149,15 +149,16 @@ def test_a_hung_engine_under_load_hands_its_work_to_the_other(
     assert finished(sims[0]) > before
 
 
-def test_a_stream_on_a_hung_engine_ends_with_an_error_event_at_the_read_timeout(
+def test_a_stream_on_a_hung_engine_ends_with_an_error_event_when_it_is_down(
     sim_factory: Callable[..., Sim], gateway_factory: Callable[..., Gateway]
 ) -> None:
-    """A stream that had bytes when its engine hung ends with an error event once no byte came
-    for engine.read_timeout_s; the other engine serves meanwhile."""
+    """A stream that had bytes when its engine hung ends with an error event once the engine
+    is marked down (engine.unhealthy_after_s with nothing from it), long before
+    engine.read_timeout_s; the other engine serves meanwhile."""
     sims, gw = fleet(
         sim_factory,
         gateway_factory,
-        engine={**FAST_ROTATION, "read_timeout_s": 2, "unhealthy_after_s": 30},
+        engine={**FAST_ROTATION, "read_timeout_s": 120, "unhealthy_after_s": 1},
         sim_args=("--tokens-per-second", "20"),
     )
     body: dict[str, Any] = {
@@ -166,16 +167,20 @@ def test_a_stream_on_a_hung_engine_ends_with_an_error_event_at_the_read_timeout(
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 200,
     }
-    with httpx.stream(
-        "POST", gw.url("/v1/chat/completions"), headers=AUTH, json=body, timeout=30
-    ) as r:
+    url = gw.url("/v1/chat/completions")
+    with httpx.stream("POST", url, headers=AUTH, json=body, timeout=30) as r:
         assert r.status_code == 200
         chunks = r.iter_text()
         text = next(chunks)
         detail = httpx.get(gw.url("/ready"), timeout=5).json()["engines"]
         busy = [i for i in range(2) if detail[f"e{i}"]["in_flight"] == 1]
         assert len(busy) == 1
-        with stopped(sims[busy[0]]):
+        with stopped(sims[busy[0]]) as at:
             assert chat(gw, max_tokens=2).status_code == 200
             text += "".join(chunks)
+            ended_s = time.monotonic() - at
+    print(
+        f"\nhung engine: stream with bytes ended with its error event {ended_s:.3f} s after the stop"
+    )
     assert '"error"' in text and "[DONE]" not in text
+    assert ended_s < 10
