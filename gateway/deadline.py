@@ -159,8 +159,8 @@ class Forecaster:
     prefill), answers of at least `MIN_DECODE_SAMPLE_TOKENS`. Until measured, ``[deadline]``
     ``prefill_tokens_per_s`` and ``decode_tokens_per_s`` stand (30 tokens/s: one V100 decoding
     one sequence, DEPLOYMENT-NOTES). The expected output of a choice is the moving mean of
-    finished answers (alpha `OUTPUT_EWMA_ALPHA`; ``[deadline] expected_output_tokens`` until the
-    first), never above the request's own ``max_tokens``.
+    finished answers of the same thinking mode (alpha `OUTPUT_EWMA_ALPHA`; ``[deadline]
+    expected_output_tokens`` until the first), never above the request's own ``max_tokens``.
 
     Args:
         metrics: the ``gateway_forecast_*`` and ``gateway_queue_start_forecast_error_seconds``
@@ -173,20 +173,26 @@ class Forecaster:
         self._clock = clock
         self._prefill_spt: float | None = None
         self._decode_spt: float | None = None
-        self._output: float | None = None
+        self._output: dict[bool, float] = {}
         self._tracked: dict[int, _Tracked] = {}
 
-    def speeds(self, settings: DeadlineSettings) -> tuple[float, float, float]:
-        """``(prefill tokens/s, decode tokens/s, expected output tokens per choice)`` in force."""
+    def speeds(
+        self, settings: DeadlineSettings, thinking: bool = False
+    ) -> tuple[float, float, float]:
+        """``(prefill tokens/s, decode tokens/s, expected output tokens per choice)`` in force;
+        the output of answers with thinking on or off (a thinking answer is often ten times
+        longer)."""
         prefill = 1 / self._prefill_spt if self._prefill_spt else settings.prefill_tokens_per_s
         decode = 1 / self._decode_spt if self._decode_spt else settings.decode_tokens_per_s
-        output = self._output if self._output is not None else settings.expected_output_tokens
+        output = self._output.get(thinking, float(settings.expected_output_tokens))
         return prefill, decode, output
 
-    def expected_work(self, settings: DeadlineSettings, prompt: int, budget: int, n: int) -> Work:
+    def expected_work(
+        self, settings: DeadlineSettings, prompt: int, budget: int, n: int, thinking: bool = False
+    ) -> Work:
         """`Work` of a request of ``prompt`` tokens, ``budget`` output tokens at most (all
-        choices) and ``n`` choices."""
-        mean = self.speeds(settings)[2]
+        choices), ``n`` choices, thinking on or off."""
+        mean = self.speeds(settings, thinking)[2]
         return Work(prompt, min(budget, math.ceil(mean * max(1, n))))
 
     def _seconds(self, settings: DeadlineSettings, work: Work) -> tuple[float, float]:
@@ -271,6 +277,7 @@ class Forecaster:
         choices: int,
         first_token_s: float | None,
         complete: bool,
+        thinking: bool = False,
     ) -> None:
         """Forget a finished request and learn from it.
 
@@ -281,14 +288,15 @@ class Forecaster:
             choices: sequences generated (``n``).
             first_token_s: clock reading of its first token at the client (streams), or None.
             complete: the answer ran to its end at the engine (not cut, not refused, a 200).
+            thinking: it ran with thinking on (the output mean is kept per mode).
         """
         entry = self._tracked.pop(id(ticket), None)
         granted = ticket.granted_at
         if not complete or granted is None or prompt is None or completion is None:
             return
         mean = completion / max(1, choices)
-        old = self._output
-        self._output = mean if old is None else old + OUTPUT_EWMA_ALPHA * (mean - old)
+        old = self._output.get(thinking)
+        self._output[thinking] = mean if old is None else old + OUTPUT_EWMA_ALPHA * (mean - old)
         engine_s = self._clock() - granted
         if entry is not None and first_token_s is not None and first_token_s >= granted:
             first = first_token_s - granted
@@ -304,10 +312,12 @@ class Forecaster:
 
     def export(self, settings: DeadlineSettings) -> None:
         """Set the ``gateway_forecast_*`` gauges to the speeds in force."""
-        prefill, decode, output = self.speeds(settings)
+        prefill, decode, _ = self.speeds(settings)
         self._metrics.forecast_speed.labels("prefill").set(prefill)
         self._metrics.forecast_speed.labels("decode").set(decode)
-        self._metrics.forecast_output.set(output)
+        for thinking in (False, True):
+            output = self.speeds(settings, thinking)[2]
+            self._metrics.forecast_output.labels(str(thinking).lower()).set(output)
 
     def refused(self, label: str, dialect: str, reason: str) -> None:
         """Count one refusal (``gateway_deadline_refusals_total``)."""
@@ -395,7 +405,11 @@ def plan_work(call: ModelCall, forecaster: Forecaster) -> Work:
     plan = call.plan
     assert plan is not None
     return forecaster.expected_work(
-        call.settings.deadline, plan.prompt_fallback, plan.output_tokens, plan.n
+        call.settings.deadline,
+        plan.prompt_fallback,
+        plan.output_tokens,
+        plan.n,
+        bool(plan.thinking),
     )
 
 
@@ -433,4 +447,5 @@ def finished(call: ModelCall, forecaster: Forecaster) -> None:
         choices=call.plan.n if call.plan is not None else 1,
         first_token_s=first,
         complete=usage.settled and usage.source == "engine",
+        thinking=call.plan is not None and bool(call.plan.thinking),
     )

@@ -372,7 +372,9 @@ class Metrics:
         )
         self.forecast_output = Gauge(
             "gateway_forecast_output_tokens",
-            "Output tokens per choice the wait prediction expects (running mean of answers).",
+            "Output tokens per choice the wait prediction expects (running mean of answers), by "
+            "thinking mode.",
+            ("thinking",),
             registry=registry,
         )
         self.quota = QuotaGauges()

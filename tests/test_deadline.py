@@ -234,7 +234,8 @@ def test_speeds_are_learned_from_finished_requests() -> None:
     prefill, decode, output = forecaster.speeds(SPEEDS)
     assert (prefill, decode, output) == (pytest.approx(2000.0), pytest.approx(20.0), 201)
     assert sample(metrics, "gateway_forecast_tokens_per_second", phase="prefill") == 2000.0
-    assert sample(metrics, "gateway_forecast_output_tokens") == 201
+    assert sample(metrics, "gateway_forecast_output_tokens", thinking="false") == 201
+    assert sample(metrics, "gateway_forecast_output_tokens", thinking="true") == 100
     # Non-streamed: 2,000 prompt tokens (1 s at 2,000/s), then 100 tokens in 4 s: 25 tokens/s.
     settle_one(forecaster, queue, clock, prompt=2000, completion=100, first_after_s=None, total_s=5)
     _, decode, output = forecaster.speeds(SPEEDS)
@@ -245,6 +246,29 @@ def test_speeds_are_learned_from_finished_requests() -> None:
     settle_one(forecaster, queue, clock, prompt=10, completion=3, first_after_s=0.01, total_s=0.02)
     assert forecaster.speeds(SPEEDS)[1] == pytest.approx(decode)
     assert forecaster.tracked() == 0
+
+
+def test_the_expected_output_is_kept_per_thinking_mode() -> None:
+    """Long thinking answers do not lengthen the expected output of answers without thinking."""
+    clock = FakeClock()
+    queue = AdmissionQueue(1, 64, 600.0, Metrics(CollectorRegistry()), clock=clock)
+    forecaster = Forecaster(Metrics(CollectorRegistry()), clock)
+    ticket = queue.enqueue("a", 1.0, 100)
+    forecaster.track(ticket, Work(50, 50), Forecast(0, 0, 0, 0))
+    clock.advance(1)
+    ticket.release()
+    forecaster.settled(
+        ticket,
+        SPEEDS,
+        prompt=50,
+        completion=3000,
+        choices=1,
+        first_token_s=None,
+        complete=True,
+        thinking=True,
+    )
+    assert forecaster.expected_work(SPEEDS, 10, 32_768, 1, thinking=True) == Work(10, 3000)
+    assert forecaster.expected_work(SPEEDS, 10, 32_768, 1, thinking=False) == Work(10, 100)
 
 
 def test_a_cut_request_teaches_nothing_and_is_forgotten() -> None:

@@ -63,7 +63,7 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway_deadline_refusals_total": ("counter", ("tenant", "dialect", "reason")),
     "gateway_queue_start_forecast_error_seconds": ("histogram", ("direction",)),
     "gateway_forecast_tokens_per_second": ("gauge", ("phase",)),
-    "gateway_forecast_output_tokens": ("gauge", ()),
+    "gateway_forecast_output_tokens": ("gauge", ("thinking",)),
     # One series per configured engine (gateway/fleet.py); ``engine`` is the [[engines]] name.
     "gateway_engine_status": ("gauge", ("engine",)),
     "gateway_engine_slots": ("gauge", ("engine",)),

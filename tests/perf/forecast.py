@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> None:
             phase: gw.metric("gateway_forecast_tokens_per_second", phase=phase)
             for phase in ("prefill", "decode")
         }
-        output = gw.metric("gateway_forecast_output_tokens")
+        output = gw.metric("gateway_forecast_output_tokens", thinking="true")  # the default
     finally:
         _stop(gw.proc)
         sim.stop()
