@@ -131,7 +131,7 @@ class BodyMemory:
                 f"of memory; this gateway holds at most {self.limit} for all requests."
             )
         mine = self._tenants.get(hold.tenant)
-        held_here = mine.size if mine is not None else 0
+        held_here = (mine.size if mine is not None else 0) - hold.size  # its other requests
         others = sum(w for t, w in self._weights.items() if t != hold.tenant)
         share = self.limit * hold.weight / (others + hold.weight)
         what = f"Request bodies fill this gateway's memory bound ({self.limit} bytes)"

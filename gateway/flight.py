@@ -29,6 +29,9 @@ from typing import Any, Protocol
 
 ENTRY_OVERHEAD_BYTES = 512
 """Bytes counted for a flight's record itself (its object, its index slots) besides its data."""
+CHUNK_OVERHEAD_BYTES = 48
+"""Bytes counted per recorded write besides its data: a ``bytes`` object's header (33 bytes in
+CPython) and its list slot, rounded up; small events would otherwise be undercounted."""
 
 
 class Budget(Protocol):
@@ -186,8 +189,9 @@ class Flight:
         if not data or (self.cut and not self.followers):
             return  # nobody can read it: a plain stream past its headers costs nothing here
         self.chunks.append(data)
-        self.size += len(data)
-        if not self.cut and not self._hold(len(data)):
+        cost = len(data) + CHUNK_OVERHEAD_BYTES
+        self.size += cost
+        if not self.cut and not self._hold(cost):
             self.cut = True
         if self.cut:
             self._trim()
@@ -297,7 +301,7 @@ class Flight:
             keep_from = min((f.pos for f in self.followers), default=end)
             drop = keep_from - self.base
             if drop > 0:
-                self.size -= sum(len(c) for c in self.chunks[:drop])
+                self.size -= sum(len(c) + CHUNK_OVERHEAD_BYTES for c in self.chunks[:drop])
                 del self.chunks[:drop]
                 self.base = keep_from
             if self.size <= self._limit or not self.followers:

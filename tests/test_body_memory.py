@@ -4,6 +4,7 @@ the route's API shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tracemalloc
 from typing import Any
@@ -16,8 +17,9 @@ from prometheus_client import CollectorRegistry
 from gateway.body_memory import BodyHold, BodyMemory, held_estimate
 from gateway.errors import EngineUnavailable, PayloadTooLarge, RateLimited
 from gateway.metrics import Metrics
-from tests.conftest import ALIAS, KEY_A
-from tests.inprocess import open_stack
+from gateway.state import BODY_MEMORY
+from tests.conftest import ALIAS, KEY_A, KEY_B
+from tests.inprocess import AUTH_A, open_stack, until
 
 pytestmark = pytest.mark.fast
 
@@ -159,3 +161,55 @@ async def test_a_body_larger_than_the_bound_parsed_is_a_413_in_the_routes_shape(
             headers=headers,
         )
         assert ok.status == 200
+
+
+async def test_past_the_bound_messages_answers_429_for_the_holder_and_529_for_another(
+    aiohttp_client: Any,
+) -> None:
+    """One request holding about 730 KB of a 1 MiB bound at the engine (a tool schema of
+    3,800 empty objects, 15 KB of JSON): the same tenant's next one is a 429
+    ``rate_limit_error`` and another tenant's a 529 ``overloaded_error`` in Anthropic's shape,
+    both with retry-after; once it ends the bound is free and they go through."""
+    config = {"server": {"bodies_max_bytes": 1 << 20}}
+    async with open_stack(aiohttp_client, config) as stack:
+        schema = {"type": "object", "properties": {"a": {"type": "string", "enum": [{}] * 3800}}}
+        # The holder speaks chat, whose unknown fields reach the engine ("sim": a paced stream).
+        slow = {
+            "model": ALIAS,
+            "messages": [{"role": "user", "content": "Go."}],
+            "tools": [{"type": "function", "function": {"name": "t", "parameters": schema}}],
+            "tool_choice": "none",
+            "stream": True,
+            "sim": {"completion_tokens": 60, "tokens_per_second": 20},
+        }
+        quick = {
+            "model": ALIAS,
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": "Go."}],
+            "tools": [{"name": "t", "description": "d", "input_schema": schema}],
+            "tool_choice": {"type": "none"},
+        }
+        memory = stack.client.app[BODY_MEMORY]
+
+        async def hold() -> int:
+            r = await stack.client.post("/v1/chat/completions", json=slow, headers=AUTH_A)
+            await r.read()  # the stream ends after 3 s of paced tokens
+            return r.status
+
+        holder = asyncio.ensure_future(hold())
+        assert await until(lambda: memory.held > 700_000)
+        for key, status, kind in (
+            (KEY_A, 429, "rate_limit_error"),
+            (KEY_B, 529, "overloaded_error"),
+        ):
+            r = await stack.client.post("/v1/messages", json=quick, headers={"x-api-key": key})
+            error = await r.json()
+            assert r.status == status, error
+            assert error["type"] == "error" and error["error"]["type"] == kind
+            assert (
+                "memory bound" in error["error"]["message"] and int(r.headers["retry-after"]) >= 1
+            )
+        assert await holder == 200
+        assert await until(lambda: memory.held == 0)
+        r = await stack.client.post("/v1/messages", json=quick, headers={"x-api-key": KEY_B})
+        assert r.status == 200

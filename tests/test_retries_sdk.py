@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -133,3 +134,65 @@ def test_reused_key_is_409_once_without_sdk_retries(gw: Gateway) -> None:
     assert caught.value.code == "idempotency_key_reused"
     assert gw.metric("gateway_retries_total", match="key", outcome="conflict") == 1
     assert model_requests(gw) == 1
+
+
+def rss_kib(pid: int) -> int:
+    """``VmRSS`` of ``/proc/<pid>/status`` in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS line")
+
+
+def test_kept_answers_stay_within_max_bytes_in_rss(
+    sim_factory: Callable[..., Sim], gateway_factory: Callable[..., Gateway]
+) -> None:
+    """8 streams with keys, 16 MiB of events each, under retries.max_bytes = 16 MiB: the
+    gateway's RSS grows by less than twice the bound plus the streams' own buffers, not by the
+    128 MiB an unbounded record would hold."""
+    mib = 1024 * 1024
+    gw = gateway_factory(
+        sim_factory("--tokens-per-second", "100"),
+        {
+            "retries": {"max_bytes": 16 * mib, "buffer_bytes": 64 * mib},
+            "engine": {"max_concurrency": 8},
+        },
+    )
+    body = {
+        "model": ALIAS,
+        "messages": [{"role": "user", "content": "long"}],
+        "max_tokens": 256,
+        "stream": True,
+        "sim": {"completion_tokens": 256, "token_bytes": 64 * 1024},
+    }
+    before = rss_kib(gw.proc.pid)
+    peak = [0]
+    received = [0] * 8
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_kib(gw.proc.pid) - before)
+            time.sleep(0.02)
+
+    def read(index: int) -> None:
+        headers = {"Authorization": f"Bearer {KEY_A}", "Idempotency-Key": f"big-{index}"}
+        with httpx.stream(
+            "POST", gw.url("/v1/chat/completions"), json=body, headers=headers, timeout=60
+        ) as reply:
+            for data in reply.iter_bytes():
+                received[index] += len(data)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(120)
+    done.set()
+    watcher.join()
+    print(f"RSS growth peak {peak[0]} KiB for {sum(received)} bytes relayed")
+    assert all(size > 15 * mib for size in received)
+    assert gw.metric("gateway_retry_buffer_bytes") <= 16 * mib
+    assert peak[0] < (2 * 16 + 8 + 12) * 1024, f"RSS grew {peak[0]} KiB"
