@@ -98,6 +98,7 @@ class Flight:
         "headers",
         "key",
         "overhead",
+        "rendered",
         "request_id",
         "running",
         "size",
@@ -147,7 +148,8 @@ class Flight:
         self.followers: list[Follower] = []
         self.task: asyncio.Task[Any] | None = None
         self.overhead = 0
-        self.running: Callable[[], bool] = lambda: False
+        self.rendered: tuple[int, dict[str, str], bytes] | None = None
+        self.running: Callable[[], bool] = _never
         self._grace = 0.0
         self._leader_state: bool | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -158,7 +160,7 @@ class Flight:
         """A new connection may attach: the whole answer so far is kept and none failed."""
         if self.cut:
             return False
-        if not self.done:
+        if not self.done or self.rendered is not None:
             return True
         return self.error is None and (self.body is not None or self.stream)
 
@@ -282,6 +284,14 @@ class Flight:
         self._held += size
         return True
 
+    def settle(self) -> None:
+        """The leader is done: drop what refers back to its request (its task and result, its
+        call, its error's traceback), so a flight kept for replay holds only its answer."""
+        self.task = None
+        self.running = _never
+        if self.rendered is not None:
+            self.error = None
+
     def release(self) -> None:
         """Give every byte this flight holds back to the shared bound (it is forgotten: no new
         connection finds it; followers still reading hold the data until they are done)."""
@@ -328,3 +338,7 @@ class Flight:
         if self.clients == 0 and not self.done and self.task is not None:
             self.cut = True  # ending: nobody may attach to it any more
             self.task.cancel("no client reads this generation")
+
+
+def _never() -> bool:
+    return False

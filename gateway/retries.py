@@ -185,7 +185,7 @@ class Flights:
         """
         self.max_bytes = settings.max_bytes
         now = self._clock()
-        self._purge(now, settings)
+        self._purge(now)
         if key is not None:
             found = self._keys.get((tenant, key))
             if found is None:
@@ -272,7 +272,7 @@ class Flights:
             if flight.delivered:  # only the key finds it
                 self._drop_copy(flight)
 
-    def _purge(self, now: float, settings: RetriesSettings) -> None:
+    def _purge(self, now: float) -> None:
         for kept in (self._kept_unkeyed, self._kept_keyed):
             while kept:
                 flight, expires = next(iter(kept.items()))
@@ -348,9 +348,16 @@ async def lead(
             if isinstance(raw, bytes):
                 flight.opened(result.status, result.headers)
                 body = raw
-        if flight.stream and not flight.done:
+        if flight.stream and flight.status is not None and not flight.done:
             flight.cut = True  # the stream ended without its end: nothing whole to replay
+        if keep and isinstance(error, GatewayError):
+            # Kept for replay as the bytes its client got, not as the exception (its traceback
+            # refers to this request).
+            shown = call.dialect.adapt_error(error)
+            headers = {**shown.headers, "Content-Type": "application/json"}
+            flight.rendered = (shown.status, headers, call.dialect.error_body(shown))
         flight.finish(body=body, error=error)
+        flight.settle()
         call.attaches = flight.attaches
         if flight.detached:
             # The leader's own client left; its answer went to the connections attached.
@@ -374,6 +381,9 @@ async def _await_leader(
             cancels += 1
             if cancels == 1 and flight.lost():
                 log.info("retry_leader_detached", clients=flight.clients)
+                current = asyncio.current_task()
+                if current is not None and hasattr(current, "uncancel"):
+                    current.uncancel()  # handled: the handler waits for the generation
                 continue
             flight.cut = True
             task.cancel()
@@ -441,9 +451,20 @@ def _failure(flight: Flight) -> GatewayError:
     return BadGateway("The generation this request attached to ended without an answer.")
 
 
+def _replayed_error(flight: Flight) -> web.Response | None:
+    """The kept error answer of ``flight`` (an engine 4xx), as its client got it."""
+    if flight.rendered is None:
+        return None
+    status, headers, body = flight.rendered
+    return web.Response(status=status, body=body, headers={**headers, REPLAYED_HEADER: "true"})
+
+
 async def _follow_json(flight: Flight) -> web.StreamResponse:
     while not flight.done:
         await flight.changed().wait()
+    replayed = _replayed_error(flight)
+    if replayed is not None:
+        return replayed
     if flight.body is None or flight.status is None:
         raise _failure(flight)
     return web.Response(status=flight.status, body=flight.body, headers=_headers(flight))
@@ -454,6 +475,9 @@ async def _follow_stream(
 ) -> web.StreamResponse:
     while flight.status is None and not flight.done:
         await flight.changed().wait()
+    replayed = _replayed_error(flight)
+    if replayed is not None:
+        return replayed
     if flight.status is None:
         raise _failure(flight)
     response = web.StreamResponse(status=flight.status, headers=_headers(flight))

@@ -301,6 +301,24 @@ async def test_engine_5xx_is_not_replayed(stack: Stack) -> None:
     assert generations(stack) == 2
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_engine_4xx_is_replayed_as_the_same_error(stack: Stack, stream: bool) -> None:
+    """An engine 4xx with a key is kept: the retry gets the same error without the engine."""
+    headers = {**AUTH_A, "Idempotency-Key": f"engine-400-{stream}"}
+    body = chat_body(max_tokens=8, stream=stream, sim={"no_such_fault": 1})
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    assert first.status == 400
+    error = await first.read()
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    assert second.status == 400
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert await second.read() == error
+    assert generations(stack) == 1
+    assert len(stack.app[FLIGHTS]) == 1
+    flight = next(iter(stack.app[FLIGHTS]._keys.values()))
+    assert flight.task is None and flight.error is None  # nothing refers to the request
+
+
 async def test_non_streamed_retries_share_one_generation(stack: Stack) -> None:
     """Non-streamed: a retry while the first runs gets the same answer; one record, attaches 1."""
     seen = recorded(stack)
