@@ -117,11 +117,15 @@ class Engines:
         self, name: str | None, path: str, body: bytes, request_id: str, *, stream: bool
     ) -> UpstreamAnswer:
         """POST to engine ``name``: with several engines the wait for the first byte ends when
-        the engine fails meanwhile (`gateway.failover.Rotation.post`)."""
+        the engine fails meanwhile (`gateway.failover.Rotation.post`), and an answer from a
+        stalled engine puts it back in rotation at once (a one-slot engine whose ``/health``
+        lagged behind a non-streamed request sends nothing until it is done)."""
         upstream = self.upstream(name)
         if len(self.specs) < 2:
             return await upstream.post(path, body, request_id, stream=stream)
-        return await self.rotation.post(upstream, path, body, request_id, stream=stream)
+        answer = await self.rotation.post(upstream, path, body, request_id, stream=stream)
+        self.rotation.set(upstream.name, True, None)
+        return answer
 
     def start(self, settings: Callable[[], EngineSettings]) -> None:
         """Open each engine's session and start its health poller (in the running loop)."""

@@ -4,7 +4,9 @@ An engine is *in rotation* while new requests may be placed on it (`gateway.plac
 (`gateway.engine_state.EngineState`) and not *stalled*. The health poller
 (`gateway.engine_watch.poll_health`) marks an engine stalled at the first probe that is slow
 (no answer within ``engine.rotation_timeout_s``) or failed while nothing else came from the
-engine, and clears it at the first probe answered 200. ``down`` keeps its slower rule
+engine, and clears it at the first probe answered 200 or the first answer the engine sends
+(`gateway.engines.Engines.post`: a one-slot engine whose ``/health`` lagged behind a
+non-streamed request sends nothing until it is done). ``down`` keeps its slower rule
 (``engine.unhealthy_after_s``): alerts, ``/ready`` and quarantine deaths follow ``down`` only.
 
 A request already sent to an engine that leaves rotation waits for its first byte only as long

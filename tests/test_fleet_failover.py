@@ -184,3 +184,28 @@ def test_a_stream_on_a_hung_engine_ends_with_an_error_event_when_it_is_down(
     )
     assert '"error"' in text and "[DONE]" not in text
     assert ended_s < 10
+
+
+def test_a_busy_engine_whose_health_lags_keeps_its_sessions(
+    sim_factory: Callable[..., Sim], gateway_factory: Callable[..., Gateway]
+) -> None:
+    """Engines whose /health answers 1.5 s late while they generate (as real vLLM on a busy
+    host) leave rotation during each non-streamed request, yet come back with its answer: every
+    turn of a session stays on its engine."""
+    _, gw = fleet(
+        sim_factory,
+        gateway_factory,
+        engine=FAST_ROTATION,
+        sim_args=("--tokens-per-second", "40", "--health-delay-busy-s", "1.5"),
+    )
+    engines: dict[str, list[str]] = {"s0": [], "s1": []}
+    for session, turns in engines.items():
+        for _ in range(5):  # back to back: the next turn comes as the engine answers the last
+            before = {e: gw.metric("gateway_engine_requests_total", engine=e) for e in ("e0", "e1")}
+            answer = chat(gw, headers={"X-Session-Id": session}, max_tokens=40)
+            assert answer.status_code == 200
+            after = {e: gw.metric("gateway_engine_requests_total", engine=e) for e in before}
+            turns += [e for e in before if after[e] > before[e]]
+    assert all(len(set(turns)) == 1 for turns in engines.values()), engines
+    stalls = [e for e in gw.logs() if e.get("event") == "engine_out_of_rotation"]
+    assert stalls, "the lagging probes did take the busy engine out of rotation"
