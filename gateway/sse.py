@@ -157,9 +157,23 @@ class SseRelay:
             len(block) > self._max_event for block in complete.split(b"\n\n")
         ):
             raise EventTooLarge(f"an event larger than {self._max_event} bytes")
+        # A run that ends the answer (its usage chunk, [DONE]): the events before its last two
+        # are usually plain, so they take the fast path and only the end goes event by event.
+        cut = complete.rfind(b"\n\n", 0, complete.rfind(b"\n\n", 0, len(complete) - 2))
+        if cut > 0:
+            tail = complete[cut + 2 :]
+            if b"data: [DONE]" in tail or b'"choices":[]' in tail:
+                fast = self._plain_events(complete[: cut + 2])
+                if fast is not None:
+                    return fast + self._each_event(tail)
+                return self._each_event(complete)
         fast = self._plain_events(complete)
         if fast is not None:
             return fast
+        return self._each_event(complete)
+
+    def _each_event(self, complete: bytes) -> bytes:
+        """Relay a run of whole events (ending in a blank line) event by event."""
         out = []
         for block in complete[:-2].split(b"\n\n"):
             if block:
@@ -228,13 +242,15 @@ class SseRelay:
         if b'"usage":' in chunk:
             if events == 1:
                 chunk = self._take_running_usage(chunk)  # the framing is left as it is
-            elif not self._running_of_run(chunk, events):
-                chunk = b"".join(
-                    data_event(self._take_running_usage(event[6:]))
-                    for event in chunk[:-2].split(b"\n\n")
-                )
-            elif not self._wants_running:
-                chunk = _USAGE_OBJECT.sub(b"", chunk)
+            else:
+                run = self._running_of_run(chunk, events)
+                if run is not None:
+                    chunk = run
+                else:
+                    chunk = b"".join(
+                        data_event(self._take_running_usage(event[6:]))
+                        for event in chunk[:-2].split(b"\n\n")
+                    )
         state.content_events += events if state.events else events - 1
         state.events += events
         state.finished_choices += chunk.count(b'"finish_reason":"')
@@ -329,16 +345,22 @@ class SseRelay:
         if usage is not None:
             self.state.usage = usage
 
-    def _running_of_run(self, chunk: bytes, events: int) -> bool:
-        """Record the running usage of a run of ``events`` single-choice events in one pass: True
-        when each event carries one ``usage`` object of vLLM's form, so that removing every
-        match of `_USAGE_OBJECT` removes exactly theirs; False to go event by event."""
+    def _running_of_run(self, chunk: bytes, events: int) -> bytes | None:
+        """A run of ``events`` single-choice events each carrying one ``usage`` object of
+        vLLM's form: the last one recorded in one pass, the run returned without them (unless
+        the client asked for them); None to go event by event."""
         if self._n != 1 or chunk.count(_USAGE_KEY) != events:
-            return False
-        if len(_USAGE_OBJECT.findall(chunk)) != events:
-            return False
+            return None
+        if self._wants_running:
+            if len(_USAGE_OBJECT.findall(chunk)) != events:
+                return None
+            out = chunk
+        else:
+            out, found = _USAGE_OBJECT.subn(b"", chunk)
+            if found != events:
+                return None
         self.state.running_raw[0] = chunk[chunk.rfind(_USAGE_KEY) : -2]
-        return True
+        return out
 
     def _take_running_usage(self, payload: bytes) -> bytes:
         """Record the running ``usage`` of one chunk (its bytes, read when the stream settles);
