@@ -52,19 +52,30 @@ async def reserve_budgets(request: web.Request, call: ModelCall) -> Reservation:
         assert plan is not None
         if plan.prompt_exact or refused.limit not in ("tokens", "insufficient_quota"):
             raise
-        started = time.monotonic()
-        count = await _counter(request, call).count_prompt(plan.body, EXACT_COUNT_TIMEOUT_S)
-        log.info(
-            "prompt_counted",
-            ceiling=plan.prompt_ceiling,
-            count=count,
-            seconds=round(time.monotonic() - started, 4),
-        )
+        count = await _count_prompt(request, call, "limit")
         if count is None or count >= plan.prompt_ceiling:
             raise
         call.plan = plan.with_prompt_count(count)
         request.app[METRICS].prompt_counts.inc()
         return await _reserve(request, call)
+
+
+async def _count_prompt(request: web.Request, call: ModelCall, reason: str) -> int | None:
+    """The engine's count of the planned prompt (`Upstream.count_prompt`, None when it gives
+    none in time), logged as ``prompt_counted`` with the ceiling it replaces, the ``reason`` it
+    was asked for (``limit``: the ceiling was refused; ``default_output``) and its seconds."""
+    plan = call.plan
+    assert plan is not None
+    started = time.monotonic()
+    count = await _counter(request, call).count_prompt(plan.body, EXACT_COUNT_TIMEOUT_S)
+    log.info(
+        "prompt_counted",
+        ceiling=plan.prompt_ceiling,
+        count=count,
+        reason=reason,
+        seconds=round(time.monotonic() - started, 4),
+    )
+    return count
 
 
 def _counter(request: web.Request, call: ModelCall) -> Upstream:
@@ -94,15 +105,7 @@ async def fit_default_output(request: web.Request, call: ModelCall) -> None:
     context = call.live.settings.engine.max_model_len
     if field is None or plan.prompt_exact or plan.prompt_ceiling + plan.max_output <= context:
         return
-    started = time.monotonic()
-    count = await _counter(request, call).count_prompt(plan.body, EXACT_COUNT_TIMEOUT_S)
-    log.info(
-        "prompt_counted",
-        ceiling=plan.prompt_ceiling,
-        count=count,
-        reason="default_output",
-        seconds=round(time.monotonic() - started, 4),
-    )
+    count = await _count_prompt(request, call, "default_output")
     if count is None or count > plan.prompt_ceiling:
         return
     request.app[METRICS].prompt_counts.inc()

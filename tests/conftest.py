@@ -167,6 +167,20 @@ class Gateway:
     def url(self, path: str) -> str:
         return self.base_url + path
 
+    def read_through(self, key: str, body: dict[str, Any], timeout: float) -> int:
+        """POST ``body`` to chat completions with ``key`` and read the answer to its end, as a
+        client holding the engine would; returns the status."""
+        with httpx.stream(
+            "POST",
+            self.url("/v1/chat/completions"),
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=timeout,
+        ) as r:
+            for _ in r.iter_bytes():
+                pass
+            return r.status_code
+
 
 @pytest.fixture
 def workdir() -> Iterator[Path]:

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.conftest import KEY_B, Gateway, wait_until
@@ -57,15 +56,7 @@ def hold(gw: Gateway, seconds: float) -> threading.Thread:
     }
 
     def run() -> None:
-        with httpx.stream(
-            "POST",
-            gw.url("/v1/chat/completions"),
-            json=body,
-            headers={"Authorization": f"Bearer {KEY_B}"},
-            timeout=120,
-        ) as r:
-            for _ in r.iter_bytes():
-                pass
+        gw.read_through(KEY_B, body, 120)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

@@ -46,15 +46,7 @@ def hold_slot(gw: Gateway, seconds: float = HOLD_S, queued: int = 0) -> list[thr
             "stream": stream,
             "sim": {"prefill_ms": hold_ms},
         }
-        with httpx.stream(
-            "POST",
-            gw.url("/v1/chat/completions"),
-            json=body,
-            headers={"Authorization": f"Bearer {KEY_B if stream else KEY_A}"},
-            timeout=120,
-        ) as r:
-            for _ in r.iter_bytes():
-                pass
+        gw.read_through(KEY_B if stream else KEY_A, body, 120)
 
     threads = [threading.Thread(target=run, args=(True, seconds * 1000), daemon=True)]
     threads[0].start()
@@ -149,7 +141,9 @@ def test_anthropic_non_streamed_request_over_its_timeout_gets_529_overloaded(
 ) -> None:
     """anthropic SDK: 529 overloaded_error with retry-after at once; a stream with the same
     short timeout is admitted and finishes, kept alive while it waits."""
-    threads = hold_slot(gw)
+    # Held long enough that the stream still waits more than SHORT_S after the refusal's
+    # checks, however long a loaded machine takes over them.
+    threads = hold_slot(gw, HOLD_S + SHORT_S)
     client = anthropic.Anthropic(base_url=gw.base_url, api_key=KEY_A, max_retries=0)
     began = time.monotonic()
     with pytest.raises(anthropic.OverloadedError) as refused:

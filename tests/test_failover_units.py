@@ -200,21 +200,25 @@ async def test_a_request_the_engine_read_stays_until_the_engine_is_down(director
         await server.wait_closed()
 
 
+def _fleet(specs: list[EngineSpec], metrics: Metrics) -> Engines:
+    """A fleet of ``specs`` with one slot each and quarantine off (not started)."""
+    queue = AdmissionQueue(1, 8, 60, metrics, engines=[(s.name, 1) for s in specs])
+    return Engines(
+        specs,
+        metrics,
+        time.monotonic,
+        EngineState(metrics, quiet=True),
+        queue,
+        Quarantine(QuarantineSettings(enabled=False), b"k" * 32, metrics),
+    )
+
+
 async def test_prompt_counts_and_granted_requests_go_to_an_engine_in_rotation() -> None:
     """The prompt counter is the preferred engine while in rotation, else the first engine in
     rotation, else the first ready one; a request granted a stalled engine moves."""
     metrics = Metrics(CollectorRegistry())
     specs = [EngineSpec(name=n, socket=f"/nonexistent/{n}.sock") for n in ("e0", "e1", "e2")]
-    queue = AdmissionQueue(1, 8, 60, metrics, engines=[(s.name, 1) for s in specs])
-    overall = EngineState(metrics, quiet=True)
-    fleet = Engines(
-        specs,
-        metrics,
-        time.monotonic,
-        overall,
-        queue,
-        Quarantine(QuarantineSettings(enabled=False), b"k" * 32, metrics),
-    )
+    fleet = _fleet(specs, metrics)
     fleet.start(lambda: EngineSettings(health_interval_s=600))
     try:
         for state in fleet.states.values():
@@ -241,16 +245,7 @@ async def test_an_engine_marked_down_ends_its_answers_only_when_silent(
     stand_in, socket = fake_engine
     metrics = Metrics(CollectorRegistry())
     specs = [EngineSpec(name="e0", socket=socket), EngineSpec(name="e1", socket="/nonexistent/e1")]
-    queue = AdmissionQueue(1, 8, 60, metrics, engines=[(s.name, 1) for s in specs])
-    overall = EngineState(metrics, quiet=True)
-    fleet = Engines(
-        specs,
-        metrics,
-        time.monotonic,
-        overall,
-        queue,
-        Quarantine(QuarantineSettings(enabled=False), b"k" * 32, metrics),
-    )
+    fleet = _fleet(specs, metrics)
     fleet.start(lambda: EngineSettings(health_interval_s=600, unhealthy_after_s=0.3))
     state, upstream = fleet.states["e0"], fleet.upstreams["e0"]
     try:

@@ -42,15 +42,7 @@ def hold_slot(gw: Gateway, seconds: float) -> threading.Thread:
     }
 
     def run() -> None:
-        with httpx.stream(
-            "POST",
-            gw.url("/v1/chat/completions"),
-            json=body,
-            headers={"Authorization": f"Bearer {KEY_B}"},
-            timeout=seconds + 30,
-        ) as r:
-            for _ in r.iter_bytes():
-                pass
+        gw.read_through(KEY_B, body, seconds + 30)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

@@ -20,8 +20,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from tests.conftest import ALIAS, KEY_A, KEY_B, KEY_C, Gateway, _stop, start_gateway, start_sim
 
 KEYS = (KEY_A, KEY_B, KEY_C)
@@ -44,16 +42,8 @@ def request(gw: Gateway, key: str, words: int, out: int, stream: bool, tps: floa
             "tokens_per_second": tps,
         },
     }
-    with httpx.stream(
-        "POST",
-        gw.url("/v1/chat/completions"),
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=600,
-    ) as r:
-        for _ in r.iter_bytes():
-            pass
-        assert r.status_code == 200, r.status_code
+    status = gw.read_through(key, body, 600)
+    assert status == 200, status
 
 
 def run(args: argparse.Namespace) -> None:
