@@ -114,28 +114,33 @@ fi
 install -d -m 0750 "${owned[@]}" "$etc_dir" "$run_dir" "$cache_dir" "$state_dir"
 install -d -m 0755 "$unit_dir" "$tmpfiles_dir" "$sbin_dir" "$share_dir" "$doc_dir"
 
-# --- files that are ours: replaced every run -------------------------------------------------
+# --- files that are ours: replaced when they differ ------------------------------------------
+# install -C leaves a file that is already the same (content, mode, owner) untouched, times
+# included, so a second run changes nothing.
 units_changed=0
 for unit in qwen38-engine.service qwen38-engine@.service qwen38-gateway.service; do
     if ! cmp -s "$here/systemd/$unit" "$unit_dir/$unit"; then
         units_changed=1
     fi
-    install -m 0644 "$here/systemd/$unit" "$unit_dir/$unit"
+    install -C -m 0644 "$here/systemd/$unit" "$unit_dir/$unit"
 done
-install -m 0644 "$here/systemd/qwen38.conf" "$tmpfiles_dir/qwen38.conf"
-install -m 0755 "$here/bin/qwen38-cli" "$sbin_dir/qwen38-cli"
-ln -sfn qwen38-cli "$sbin_dir/qwen38-gateway"
-ln -sfn qwen38-cli "$sbin_dir/qwen38-engine"
-install -m 0644 "$here/etc/gateway.toml" "$etc_dir/gateway.toml.example"
-install -m 0644 "$here/etc/engine.toml" "$etc_dir/engine.toml.example"
-install -m 0644 "$here/etc/engine.tp2.toml" "$etc_dir/engine.tp2.toml.example"
-install -m 0644 "$here/etc/api-keys.env.example" "$etc_dir/api-keys.env.example"
-install -m 0644 "$here/etc/units.env.example" "$etc_dir/units.env.example"
+install -C -m 0644 "$here/systemd/qwen38.conf" "$tmpfiles_dir/qwen38.conf"
+install -C -m 0755 "$here/bin/qwen38-cli" "$sbin_dir/qwen38-cli"
+for name in qwen38-gateway qwen38-engine; do
+    if [[ $(readlink -- "$sbin_dir/$name" 2>/dev/null) != qwen38-cli ]]; then
+        ln -sfn qwen38-cli "$sbin_dir/$name"
+    fi
+done
+install -C -m 0644 "$here/etc/gateway.toml" "$etc_dir/gateway.toml.example"
+install -C -m 0644 "$here/etc/engine.toml" "$etc_dir/engine.toml.example"
+install -C -m 0644 "$here/etc/engine.tp2.toml" "$etc_dir/engine.tp2.toml.example"
+install -C -m 0644 "$here/etc/api-keys.env.example" "$etc_dir/api-keys.env.example"
+install -C -m 0644 "$here/etc/units.env.example" "$etc_dir/units.env.example"
 while IFS= read -r -d '' file; do
-    install -D -m 0644 "$file" "$share_dir/${file#"$here"/}"
+    install -C -D -m 0644 "$file" "$share_dir/${file#"$here"/}"
 done < <(find "$here/prometheus" "$here/grafana" -type f -print0)
 if [[ -f $here/../README.md ]]; then
-    install -m 0644 "$here/../README.md" "$doc_dir/README.md"
+    install -C -m 0644 "$here/../README.md" "$doc_dir/README.md"
 fi
 
 # --- files that are the operator's: created once ---------------------------------------------

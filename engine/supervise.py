@@ -15,6 +15,7 @@ from structlog.typing import FilteringBoundLogger
 from engine.command import Launch
 from engine.config import Settings
 from engine.health import EngineClient
+from engine.procgroup import ProcessGroup
 from engine.progress import StallWatch, Verdict, parse_progress
 from engine.report import Reporter
 from engine.socketfile import SupervisorError, acquire_lock, remove_stale_socket
@@ -96,6 +97,7 @@ class Supervisor:
         self._environ = environ
         self._log = log
         self._proc: asyncio.subprocess.Process | None = None
+        self._group: ProcessGroup | None = None
         self._exited: asyncio.Future[int] | None = None
         self._stop: asyncio.Future[int] | None = None
         self._force: asyncio.Event | None = None
@@ -115,10 +117,10 @@ class Supervisor:
             self._force.set()
 
     def _signal_group(self, signum: int) -> None:
-        """Send ``signum`` to the engine's process group (the engine and its workers)."""
-        assert self._proc is not None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signum)
+        """Send ``signum`` to the engine's process group (the engine and its workers), never to
+        a group that took the engine's pid after it was reaped (engine/procgroup.py)."""
+        assert self._group is not None
+        self._group.signal(signum)
 
     @property
     def _pid(self) -> int:
@@ -167,11 +169,16 @@ class Supervisor:
                 )
             except OSError as exc:
                 raise SupervisorError(f"cannot start {self._launch.argv[0]}: {exc}") from exc
+            self._group = ProcessGroup.of(self._proc.pid)
             self._spawned_at = self._loop_time()
             self._start_deadline = self._spawned_at + self._settings.supervise.start_timeout_s
             self._exited = asyncio.ensure_future(self._proc.wait())
             self._log.info(
-                "spawn", pid=self._pid, argv=list(self._launch.argv), env=dict(self._public_env())
+                "spawn",
+                pid=self._pid,
+                start_ticks=self._group.started,
+                argv=list(self._launch.argv),
+                env=dict(self._public_env()),
             )
             self._report.status(state="loading", engine_pid=self._pid, detail="loading the model")
             async with EngineClient(engine.socket) as client:

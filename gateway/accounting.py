@@ -161,6 +161,7 @@ class Accounting:
         duration_s: float,
         request_id: str,
         engine: str | None = None,
+        attaches: int = 0,
     ) -> None:
         """Queue the ledger record of one finished model request (see `UsageRecord`).
 
@@ -187,6 +188,7 @@ class Accounting:
                 duration_s,
                 request_id,
                 engine=engine,
+                attaches=attaches,
             )
         )
 

@@ -33,6 +33,18 @@ _LINE_SLACK = 64
 _PLACE_SCAN = 32
 
 
+def _join(line: deque[Ticket], ticket: Ticket) -> None:
+    """Put ``ticket`` in its tenant's line: a background one at the end, an interactive one
+    before the tenant's first waiting background request (lines hold at most
+    ``engine.queue_size`` entries)."""
+    if not ticket.background:
+        for index, waiter in enumerate(line):
+            if waiter.background and waiter._state is _State.WAITING:
+                line.insert(index, ticket)
+                return
+    line.append(ticket)
+
+
 class _Tenant:
     """A tenant's waiters (first come, first served) and its virtual finish time ``finish``:
     the weighted tokens it was charged since the queue was last idle, lifted to the virtual
@@ -162,6 +174,7 @@ class AdmissionQueue:
         *,
         label: str | None = None,
         home: str | None = None,
+        background: bool = False,
     ) -> Ticket:
         """Ask for an engine slot for one request.
 
@@ -171,6 +184,9 @@ class AdmissionQueue:
             cost: the request's token reservation (prompt estimate plus output budget).
             label: the tenant's metrics label (`Settings.tenant_label`); the name when None.
             home: the engine holding the request's session (`gateway.affinity`), or None.
+            background: the request said it is background work (a chat UI's title or tags):
+                it waits behind its own tenant's interactive requests; across tenants nothing
+                changes.
 
         Returns:
             A ticket, already granted if a slot was free and nobody waited; else wait on it.
@@ -187,6 +203,7 @@ class AdmissionQueue:
         now = self.clock()
         ticket = Ticket(self, tenant, label or tenant, weight, cost, now, next(self._seq))
         ticket.home = home if home in self.engines else None
+        ticket.background = background
         if self._depth == 0:
             self._home(ticket, 1)  # counted as its home's waiter while placed, as in _dispatch
             engine = place(ticket.home, ticket.avoid, self.engines, self.affinity_load_factor)
@@ -213,7 +230,7 @@ class AdmissionQueue:
             self._total_weight += weight - state.weight
         state.weight = weight
         state.live += 1
-        state.waiters.append(ticket)
+        _join(state.waiters, ticket)
         self._depth += 1
         self._home(ticket, 1)
         # Waiting behind its own tenant's backlog of at least its weighted share of the queue:
@@ -223,6 +240,36 @@ class AdmissionQueue:
         )
         self._metrics.queue_depth.set(self._depth)
         return ticket
+
+    def ahead_of(self, tenant: str, *, background: bool = False) -> list[Ticket]:
+        """The waiters a newcomer enqueued now would be granted after, in grant order: its
+        tenant's waiters before its place (`_join`) and every waiter whose virtual finish
+        (its tenant's, plus the reservations of its tenant's waiters before it, per weight)
+        is at most the newcomer's; nothing changes (`gateway.deadline` predicts with it)."""
+        keyed: list[tuple[float, int, Ticket]] = []
+        mine = self._tenants.get(tenant)
+        key = max(mine.finish, self._vtime) if mine is not None else self._vtime
+        if mine is not None and mine.live > 0:
+            key = mine.finish
+            for waiter in mine.waiters:
+                if waiter._state is _State.WAITING:
+                    if waiter.background and not background:
+                        break
+                    keyed.append((key, waiter.seq, waiter))
+                    key += waiter.cost / waiter.weight
+        for name, state in self._waiting.items():
+            if name == tenant:
+                continue
+            other = state.finish
+            for waiter in state.waiters:
+                if waiter._state is not _State.WAITING:
+                    continue
+                if other > key:
+                    break
+                keyed.append((other, waiter.seq, waiter))
+                other += waiter.cost / waiter.weight
+        keyed.sort(key=lambda item: item[:2])
+        return [ticket for _, _, ticket in keyed]
 
     def close(self, error: Callable[[], GatewayError]) -> int:
         """Stop admitting (a shutdown): every waiter fails at once with ``error()``, and so does

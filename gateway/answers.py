@@ -35,6 +35,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gateway.config import Settings
+from gateway.meter import EngineUsage, parse_usage
 from gateway.rewrite import RequestPlan
 
 OFFLOAD_BYTES = 1 << 20
@@ -59,16 +60,13 @@ class Rewritten:
 
     Attributes:
         body: the client's JSON body (UTF-8).
-        prompt_tokens, completion_tokens, reasoning_tokens: the engine's ``usage`` (None when
-            absent or not a count).
+        usage: the engine's ``usage`` (`gateway.meter.parse_usage`), None when absent.
         stored: (tenant, response id, response JSON, input items JSON) of a Responses answer
             to store, when rewritten in the worker; None otherwise.
     """
 
     body: bytes
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    reasoning_tokens: int | None
+    usage: EngineUsage | None
     stored: tuple[str, str, bytes, bytes] | None = None
 
 
@@ -89,23 +87,10 @@ def rewrite(
         raise NotAnObject(str(exc)) from exc
     if not isinstance(body, dict):
         raise NotAnObject(type(body).__name__)
-    prompt = completion = reasoning = None
-    usage = body.get("usage")
-    if isinstance(usage, dict):
-        prompt = _count(usage.get("prompt_tokens"))
-        completion = _count(usage.get("completion_tokens"))
-        details = usage.get("completion_tokens_details")
-        if isinstance(details, dict):
-            reasoning = _count(details.get("reasoning_tokens"))
+    usage = parse_usage(body.get("usage"))
     answer = json_answer(body, settings, plan)
     encoded = json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
-    return Rewritten(encoded, prompt, completion, reasoning)
-
-
-def _count(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+    return Rewritten(encoded, usage)
 
 
 class _Captured:

@@ -20,9 +20,12 @@ from prometheus_client import CollectorRegistry
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue
 from gateway.answers import AnswerWorker
+from gateway.body_memory import BodyMemory
+from gateway.budgets import Budgets
 from gateway.config import Settings
 from gateway.counters import IdleCounters
 from gateway.credentials import KeySet
+from gateway.deadline import Forecaster
 from gateway.dialects import CHAT, COMPLETIONS
 from gateway.drain import Drain
 from gateway.engine_watch import check_drift
@@ -51,16 +54,20 @@ from gateway.responses_api import (
     make_store,
     responses_dialect,
 )
+from gateway.retries import FLIGHTS, Flights
 from gateway.state import (
     ACCOUNTING,
     ADMISSION,
     ANSWER_WORKER,
+    BODY_MEMORY,
+    BUDGETS,
     CLOCK,
     DIALECTS,
     DRAIN,
     ENGINE_STATE,
     ENGINES,
     FINISH_HOOKS,
+    FORECASTER,
     IDLE_COUNTERS,
     LIMITER,
     LIVE,
@@ -124,6 +131,12 @@ def create_app(
         engines=[(spec.name, spec.max_concurrency) for spec in specs],
         affinity_load_factor=settings.engine.affinity_load_factor,
     )
+    admission = app[ADMISSION]
+    app[BODY_MEMORY] = BodyMemory(
+        settings.server.bodies_max_bytes, metrics, lambda: 1.0 / admission.drain_rate
+    )
+    app[FORECASTER] = Forecaster(metrics, clock)
+    app[FORECASTER].export(settings.deadline)
     app[QUARANTINE] = quarantine = Quarantine(
         settings.quarantine,
         fingerprint_key(app[LIVE].current.salt_secret),
@@ -136,6 +149,7 @@ def create_app(
     # fleet's state (gateway.engines); their sessions open with the app (_upstream_ctx).
     app[ENGINES] = Engines(specs, metrics, clock, app[ENGINE_STATE], app[ADMISSION], quarantine)
     app[DIALECTS] = {}
+    app[FLIGHTS] = Flights(clock, metrics.registry)
     app[FINISH_HOOKS] = []
 
     def on_reload(new_settings: Settings, new_keys: KeySet) -> None:
@@ -153,6 +167,7 @@ def create_app(
             app[LIMITER].reconfigure(new_settings)
         if ACCOUNTING in app:
             app[ACCOUNTING].reconfigure(new_settings)
+        app[BODY_MEMORY].limit = new_settings.server.bodies_max_bytes
         engine = new_settings.engine
         known = app[ENGINES].specs
         app[ADMISSION].reconfigure(
@@ -213,7 +228,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     """Each engine's session and health poller (`Engines.start`), the drift check of each, the
     quarantine file's watcher, the engine's idle counters (one engine of one slot) and the
     answer worker. ``UPSTREAM`` is the first engine's session (requests that need no slot pick
-    a ready engine through `Engines.any_ready`)."""
+    an engine in rotation through `Engines.counter`)."""
     fleet = app[ENGINES]
     fleet.start(lambda: app[LIVE].current.settings.engine)
     app[UPSTREAM] = upstream = fleet.upstream(None)
@@ -273,6 +288,7 @@ async def _accounting_ctx(app: web.Application) -> AsyncIterator[None]:
     ledger's last records committed after the last one."""
     accounting = Accounting(app[LIVE].current.settings, app[METRICS])
     app[ACCOUNTING] = accounting
+    app[BUDGETS] = Budgets(app[LIMITER], accounting.quota)
     await accounting.start()
     hook = functools.partial(record_call, accounting)
     app[FINISH_HOOKS].append(hook)

@@ -34,6 +34,11 @@ class ServerSettings:
 
     ``max_body_bytes`` defaults to 32 MiB: a 254,976-token prompt is about 1 MB of text, so this
     leaves room for JSON escaping (CJK as ``\\uXXXX`` is 6 bytes a character) and tool schemas.
+    ``bodies_max_bytes`` (1 GiB) bounds the memory the bodies of all model requests hold at once
+    (being read, parsed, waiting in the queue, at an engine), each counted as the estimate of its
+    bytes, decoded text and parsed objects (`gateway.body_memory`): a request past it is refused
+    like one past a full queue (429 ``memory`` at the tenant's share, else 503), one that alone
+    exceeds it with 413.
 
     The three timeouts protect the listener, which faces clients directly (seconds):
     ``keepalive_timeout_s`` closes a connection that sends no complete request line and headers
@@ -50,7 +55,11 @@ class ServerSettings:
 
     ``sse_keepalive_s``: while a stream's headers are out but no event comes (queued, or the
     engine's prefill of a long prompt), an SSE comment line is sent this often so that idle
-    timeouts of clients and proxies do not fire; 0 sends none.
+    timeouts of clients and proxies do not fire; 0 sends none (a queued stream still beats every
+    5 s). ``sse_progress_event_s``: on the Messages and Responses APIs, a waiting stream's
+    keep-alive is replaced this often by an event of the API that changes nothing (``message_delta``,
+    ``response.in_progress``): Claude Code's and Codex's idle timers count events, not comments
+    or pings (`gateway.waiting`); 0 sends none.
 
     ``shutdown_grace_s``: on SIGTERM, requests at the engine get this long to finish; queued ones
     get 503 at once; the process exits within the grace plus about 2 s. ``drain_delay_s``: before
@@ -62,6 +71,7 @@ class ServerSettings:
     host: str = "0.0.0.0"
     port: int = 8000
     max_body_bytes: int = 33_554_432
+    bodies_max_bytes: int = 1_073_741_824
     shutdown_grace_s: float = 30.0
     drain_delay_s: float = 0.0
     keepalive_timeout_s: float = 60.0
@@ -71,6 +81,7 @@ class ServerSettings:
     tls_key_file: str = ""
     plain_http: bool = False
     sse_keepalive_s: float = 5.0
+    sse_progress_event_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -116,10 +127,20 @@ class EngineSettings:
     engine's ``vllm:num_requests_running`` (drift is logged).
     ``unhealthy_after_s``: how long ``/health`` probes must keep timing out (or failing without
     an answer) before a ready engine is marked down; a refused connection, a missing socket or a
-    non-200 answer marks it down at once (`gateway.engine_watch.poll_health`). Default 10 s: three
-    failed probes at the default 2 s interval, well above a loaded engine's slow ``/health``.
+    non-200 answer marks it down at once (`gateway.engine_watch.poll_health`). Default 10 s: at
+    least five failed probes of 1 s, well above a loaded engine's slow ``/health``.
+    ``health_interval_s``: seconds between two probes (0.5: vLLM's ``/health`` is a cheap answer
+    of its API server). ``rotation_timeout_s`` (several engines): a probe unanswered this long,
+    with no byte from the engine meanwhile, takes the engine out of rotation for new requests
+    until a probe answers again (`gateway.failover`): a hung engine is out within
+    ``health_interval_s + rotation_timeout_s`` (0.8 s by default); ``down`` (alerts,
+    ``/ready``) still takes ``unhealthy_after_s``.
     ``queued_comment_after_s``: a stream that waits this long in the admission queue gets its
-    headers and ``: queued`` SSE comments while it waits.
+    headers, its dialect's opening events and keep-alives while it waits (`gateway.waiting`).
+    ``queue_timeout_s``: the longest wait in that queue, 30 minutes by default so that agent
+    clients (Claude Code, Codex) behind a few other turns on a one-slot engine are served
+    instead of refused; a streamed request is kept alive meanwhile, a non-streamed one is bound
+    by its client's read timeout (README, "Long waits and retries").
     ``max_answer_bytes``: the largest non-streamed engine answer relayed (a larger one is a 502,
     the engine request aborted); ``max_event_bytes``: the largest single streamed event (past
     it the stream ends with a 502 error event). A 32,768-token answer is about 150 KB of JSON,
@@ -137,13 +158,14 @@ class EngineSettings:
     max_model_len: int = 254_976
     max_concurrency: int = 1
     queue_size: int = 64
-    queue_timeout_s: float = 300.0
+    queue_timeout_s: float = 1800.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 900.0
     request_timeout_s: float = 0.0
     min_tokens_per_s: float = 5.0
     pool_idle_s: float = 4.0
-    health_interval_s: float = 2.0
+    health_interval_s: float = 0.5
+    rotation_timeout_s: float = 0.3
     unhealthy_after_s: float = 10.0
     queued_comment_after_s: float = 3.0
     ready_file: str = ""
@@ -222,6 +244,26 @@ class ResponsesSettings:
     store_max_items: int = 10_000
     store_max_bytes: int = 268_435_456
     store_ttl_s: float = 86_400.0
+
+
+@dataclass(frozen=True)
+class RetriesSettings:
+    """``[retries]``: retries attach to the generation they repeat (`gateway.retries`).
+
+    ``idempotency_ttl_s``: how long after its end a request with an ``Idempotency-Key`` is
+    replayed to the same key (24 h, as common API practice). ``retry_window_s``: how long an
+    answer nobody received is kept for a marked SDK retry or a resend. ``orphan_grace_s``: how
+    long a generation at the engine keeps running after its last client left, for a retry to
+    attach (0: cancelled at once, as without retries). ``buffer_bytes``: the most of one answer
+    kept for attaching and replay; ``max_bytes``: all kept answers together.
+    """
+
+    enabled: bool = True
+    idempotency_ttl_s: float = 86_400.0
+    retry_window_s: float = 60.0
+    orphan_grace_s: float = 10.0
+    buffer_bytes: int = 4_194_304
+    max_bytes: int = 67_108_864
 
 
 @dataclass(frozen=True)
@@ -345,6 +387,25 @@ class QuarantineSettings:
 
 
 @dataclass(frozen=True)
+class DeadlineSettings:
+    """``[deadline]``: refusing at once a request its client will not wait for (`gateway.deadline`).
+
+    ``enabled``: a request whose client states a read timeout (``x-stainless-read-timeout`` or
+    ``x-stainless-timeout``, or its tenant's ``deadline_s``) and whose predicted wait for an
+    engine slot exceeds it gets 503 (Anthropic 529) with ``Retry-After`` at once; false admits
+    it as before (the prediction and its metrics stay). The speeds stand until the first
+    finished requests measure them: ``decode_tokens_per_s`` per sequence (one V100 decodes about
+    30, DEPLOYMENT-NOTES), ``prefill_tokens_per_s`` of prompt; ``expected_output_tokens`` is the
+    output per choice assumed until answers have been seen.
+    """
+
+    enabled: bool = True
+    decode_tokens_per_s: float = 30.0
+    prefill_tokens_per_s: float = 1000.0
+    expected_output_tokens: int = 500
+
+
+@dataclass(frozen=True)
 class LoggingSettings:
     """``[logging]``: level of the JSON log on stdout."""
 
@@ -367,6 +428,8 @@ class TenantSettings:
         thinking_allowed: False forces thinking off; an explicit request for it gets 403.
         tokens_per_day: prompt plus completion tokens per UTC day, or None for no daily quota.
         tokens_per_month: prompt plus completion tokens per UTC calendar month, or None.
+        deadline_s: seconds this tenant's clients wait for an answer when a request states no
+            read timeout of its own (`gateway.deadline`); 0: none.
     """
 
     name: str = DEFAULT_TENANT
@@ -379,6 +442,7 @@ class TenantSettings:
     thinking_allowed: bool = True
     tokens_per_day: int | None = None
     tokens_per_month: int | None = None
+    deadline_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -391,11 +455,13 @@ class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     thinking: ThinkingSettings = field(default_factory=ThinkingSettings)
     responses: ResponsesSettings = field(default_factory=ResponsesSettings)
+    retries: RetriesSettings = field(default_factory=RetriesSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     ratelimit: RatelimitSettings = field(default_factory=RatelimitSettings)
     ledger: LedgerSettings = field(default_factory=LedgerSettings)
     quarantine: QuarantineSettings = field(default_factory=QuarantineSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
+    deadline: DeadlineSettings = field(default_factory=DeadlineSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     tenants: Mapping[str, TenantSettings] = field(
         default_factory=lambda: MappingProxyType({DEFAULT_TENANT: TenantSettings()})
@@ -453,11 +519,13 @@ _SECTIONS: dict[str, type] = {
     "model": ModelSettings,
     "thinking": ThinkingSettings,
     "responses": ResponsesSettings,
+    "retries": RetriesSettings,
     "auth": AuthSettings,
     "ratelimit": RatelimitSettings,
     "ledger": LedgerSettings,
     "quarantine": QuarantineSettings,
     "fleet": FleetSettings,
+    "deadline": DeadlineSettings,
     "logging": LoggingSettings,
 }
 

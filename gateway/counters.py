@@ -23,10 +23,14 @@ baseline is taken: several requests share the counters.
 
 The "before" reading is off the request path (`IdleCounters`): with one slot nothing but the
 gateway's own requests moves the engine's counters, so a reading taken while no request is at
-the engine (after the previous one gave its slot back) is the next request's baseline. The next
-request waits only for a reading still under way when it is granted; it reads the counters
-itself only when there is no idle reading since the previous grant (the first request, or the
-queue granted it the slot straight from the previous one).
+the engine (after the previous one gave its slot back) is the next request's baseline. A reading
+still under way when the next request is granted is not waited for: the request is sent at once
+and the reading finishes beside it (`IdleCounters.baseline_at_once`). It is still the state
+before the request: its ``GET /metrics`` was sent while no request was at the engine, before the
+request's POST, and vLLM counts a request's tokens only after an engine step has run it, while
+it counts as running; a reading that shows anything running or waiting is not used. The request
+path reads the counters itself only when there is no idle reading since the previous grant (the
+first request, or the queue granted it the slot straight from the previous one).
 """
 
 from __future__ import annotations
@@ -244,6 +248,24 @@ class IdleCounters:
         if counters is None or counters.busy != 0:
             return None
         return Baseline(counters, grants)
+
+    async def baseline_at_once(
+        self, grants: int
+    ) -> Baseline | asyncio.Future[Baseline | None] | None:
+        """As `baseline`, but a reading under way is returned unfinished (a future of its
+        `Baseline` or None) instead of waited for, so the request is sent beside it."""
+        reading = self._reading
+        if reading is not None and not reading.done():
+            return asyncio.ensure_future(self._after(reading, grants))
+        return await self.baseline(grants)
+
+    async def _after(
+        self, reading: asyncio.Future[Baseline | None], grants: int
+    ) -> Baseline | None:
+        result = await asyncio.shield(reading)
+        if result is None or result.grants != grants - 1:
+            return None
+        return Baseline(result.counters, grants)
 
     async def _read(self, grants: int) -> Baseline | None:
         counters = await read_counters(self._upstream, timeout=self._timeout)

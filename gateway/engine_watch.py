@@ -16,7 +16,7 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import EngineSettings
-from gateway.upstream import EngineState, Upstream, proves_down
+from gateway.upstream import HEALTH_TIMEOUT, EngineState, Upstream, proves_down
 
 log = structlog.get_logger("gateway.upstream")
 events = structlog.get_logger("gateway")
@@ -27,6 +27,7 @@ async def poll_health(
     state: EngineState,
     settings: Callable[[], EngineSettings],
     ready_file: Callable[[], str] | None = None,
+    rotation: Callable[[bool, str | None], None] | None = None,
 ) -> None:
     """Probe the engine's /health every ``engine.health_interval_s`` seconds, forever.
 
@@ -39,13 +40,34 @@ async def poll_health(
     ``max(1, engine.health_interval_s)`` seconds. ``settings`` returns the live ``[engine]``
     table (a reload changes the interval and the threshold); ``ready_file`` the engine's own
     warm-up marker (one of several engines), else ``engine.ready_file``.
+
+    The rule for rotation (``rotation(in_rotation, reason)``, several engines): a probe with no
+    answer after ``engine.rotation_timeout_s``, or a failed one, takes the engine out of
+    rotation for new requests when nothing else came from it since the probe started
+    (`Upstream.progress_at`: no byte of any answer). An idle engine answers ``/health`` at once,
+    so silence means it hangs; a busy one whose streams still move is alive whatever its
+    ``/health`` takes (a one-slot engine in a long prefill is out of rotation, but it is busy:
+    nothing would be sent to it anyway). The first probe answered 200 puts it back.
     """
     failing_since: float | None = None
     failures = 0
     while True:
         engine = settings()
         started = time.monotonic()
-        status, error = await upstream.health(timeout=max(1.0, engine.health_interval_s))
+        probe = asyncio.ensure_future(upstream.health(timeout=max(1.0, engine.health_interval_s)))
+        try:
+            if rotation is not None:
+                await asyncio.wait({probe}, timeout=engine.rotation_timeout_s)
+                if not probe.done() and upstream.progress_at < started:
+                    rotation(False, HEALTH_TIMEOUT)
+            status, error = await probe
+        finally:
+            probe.cancel()
+        if rotation is not None:
+            if status == "ready":
+                rotation(True, None)
+            elif upstream.progress_at < started:
+                rotation(False, error)
         marker = ready_file() if ready_file is not None else engine.ready_file
         if status == "ready" and marker and not os.path.exists(marker):
             status = "warming"

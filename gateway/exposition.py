@@ -1,4 +1,4 @@
-"""The metrics listener: gateway families plus the engine's ``vllm:*`` series in one scrape.
+"""The metrics listener: gateway families plus every engine's ``vllm:*`` series in one scrape.
 
 Served on ``[metrics] host:port`` (loopback by default), never on the public port. When the keys
 file holds ``QWEN38_METRICS_TOKEN`` a scrape must send it as a bearer token.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import time
 from collections.abc import Iterator
 
@@ -19,7 +20,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from gateway.launcher_status import LauncherStatusCollector
-from gateway.state import LIVE, METRICS, UPSTREAM
+from gateway.state import ENGINES, LIVE, METRICS
 
 log = structlog.get_logger("gateway.metrics")
 ENGINE_PREFIX = "vllm:"
@@ -74,11 +75,63 @@ class WithoutCreated(Collector):
             yield family
 
 
-class EngineScrape:
-    """Fetches the engine's metrics over the socket, cached for ``metrics.engine_scrape_cache_s``.
+_LABEL_RE = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 
-    Sets ``gateway_engine_scrape_ok`` to 1 after a fetch that returned 200 within
-    ``metrics.engine_scrape_timeout_s``, else 0 (and the scrape carries no engine series).
+
+def label_engine(line: str, engine: str) -> str:
+    """One sample line of the engine's exposition with ``engine="<engine>"`` as its first label.
+
+    vLLM labels its series ``engine="0"`` (its engine core's index); that value is kept as
+    ``vllm_engine``, so ``engine`` is always the configured name (a bounded label set, the same
+    as every ``gateway_engine_*`` family's). Lines that do not parse are returned unchanged.
+    """
+    brace, space = line.find("{"), line.find(" ")
+    escaped = engine.replace("\\", "\\\\").replace('"', '\\"')
+    if brace == -1 or (space != -1 and space < brace):
+        name, _, rest = line.partition(" ")
+        return f'{name}{{engine="{escaped}"}} {rest}'
+    pairs, at = [], brace + 1
+    while at < len(line) and line[at] != "}":
+        match = _LABEL_RE.match(line, at)
+        if match is None:
+            return line
+        key = "vllm_engine" if match.group(1) == "engine" else match.group(1)
+        pairs.append(f'{key}="{match.group(2)}"')
+        at = match.end()
+    labels = ",".join([f'engine="{escaped}"', *pairs])
+    return f"{line[:brace]}{{{labels}}}{line[at + 1 :]}"
+
+
+def merge_engines(texts: list[tuple[str, str]]) -> str:
+    """Every engine's ``vllm:*`` families (`engine_families` output) as one exposition text:
+    each family's ``# HELP``/``# TYPE`` once, then the samples of every engine, each labelled
+    with its engine (`label_engine`). ``texts``: (engine name, its kept text) in config order.
+    """
+    families: dict[str, tuple[list[str], list[str]]] = {}
+    for engine, text in texts:
+        current = ""
+        for line in text.splitlines():
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                current = parts[2] if len(parts) > 2 else current
+                meta, _ = families.setdefault(current, ([], []))
+                if line not in meta:
+                    meta.append(line)
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            family = current if current and name.startswith(current) else name
+            families.setdefault(family, ([], []))[1].append(label_engine(line, engine))
+    lines = [line for meta, samples in families.values() for line in (*meta, *samples)]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+class EngineScrape:
+    """Fetches every engine's metrics (over its socket or URL) at once, cached for
+    ``metrics.engine_scrape_cache_s``; each engine's ``vllm:*`` samples carry its ``engine``.
+
+    Sets ``gateway_engine_scrape_ok`` to 1 when every engine that answers ``/health`` (ready or
+    warming) returned 200 within ``metrics.engine_scrape_timeout_s``, else 0; an engine whose
+    fetch failed has no series in that scrape.
     """
 
     def __init__(self, app: web.Application) -> None:
@@ -88,19 +141,29 @@ class EngineScrape:
         self._lock = asyncio.Lock()
 
     async def text(self) -> str:
-        """The engine's ``vllm:*`` families, or "" when the engine did not answer in time."""
+        """The engines' ``vllm:*`` families, "" when none answered in time."""
         settings = self._app[LIVE].current.settings.metrics
         metrics = self._app[METRICS]
+        fleet = self._app[ENGINES]
         async with self._lock:
             if time.monotonic() - self._at < settings.engine_scrape_cache_s:
                 return self._text
-            raw = await self._app[UPSTREAM].metrics_text(settings.engine_scrape_timeout_s)
-            if raw is None:
-                metrics.engine_scrape_ok.set(0)
-                self._text = ""
-            else:
-                metrics.engine_scrape_ok.set(1)
-                self._text = engine_families(raw)
+            names = list(fleet.upstreams)
+            raws = await asyncio.gather(
+                *(fleet.upstreams[n].metrics_text(settings.engine_scrape_timeout_s) for n in names)
+            )
+            failed = [
+                n
+                for n, raw in zip(names, raws, strict=True)
+                if raw is None and fleet.states[n].status in ("ready", "warming")
+            ]
+            metrics.engine_scrape_ok.set(0 if failed or all(r is None for r in raws) else 1)
+            kept = [
+                (n, engine_families(raw))
+                for n, raw in zip(names, raws, strict=True)
+                if raw is not None
+            ]
+            self._text = merge_engines(kept)
             self._at = time.monotonic()
             return self._text
 
@@ -131,7 +194,10 @@ def create_metrics_app(gateway_app: web.Application) -> web.Application:
     view.register(WithoutCreated(gateway_app[METRICS].registry))
     view.register(
         LauncherStatusCollector(
-            lambda: gateway_app[LIVE].current.settings.engine.launcher_status_file
+            lambda: [
+                (spec.name, spec.launcher_status_file)
+                for spec in gateway_app[LIVE].current.settings.engine_specs
+            ]
         )
     )
 

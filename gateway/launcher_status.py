@@ -2,14 +2,16 @@
 
 The launcher (``qwen38-engine serve``) runs without a network and writes its state, its progress
 watchdog's reading and its restart counters to a JSON file (format 1, defined by the launcher;
-``engine.launcher_status_file`` in gateway.toml points at it). This collector reads that file at
-each scrape; a missing or unreadable file gives no series (the launcher may not have started).
+each ``[[engines]]`` table's ``launcher_status_file``, or ``engine.launcher_status_file`` of the
+lone engine, points at it). This collector reads every engine's file at each scrape, each as
+series labelled with its engine; a missing or unreadable file gives no series for that engine
+(its launcher may not have started).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -74,56 +76,67 @@ def killed_for_hang(path: str, now: float) -> bool:
 
 
 class LauncherStatusCollector(Collector):
-    """Exports the status file named by ``path()`` (read at each collect; "" means none).
+    """Exports each engine's status file, as named by ``paths()``: (engine name, path) pairs,
+    read at each collect ("" or an unusable file: no series for that engine).
 
-    Families: ``qwen38_engine_restarts_total{reason}`` (engine runs ended by a failure, each
-    followed by a restart of the unit), ``qwen38_engine_hangs_total`` (hangs the progress
-    watchdog found), ``qwen38_engine_stalled_seconds`` (a request running with no token or
-    request counter moving, 0 when moving or idle), ``qwen38_engine_launcher_state{state}``
-    (1 for the current state), ``qwen38_engine_launcher_updated_timestamp_seconds``.
+    Families, each labelled ``engine`` (the configured names: each ``[[engines]]`` table's
+    ``launcher_status_file``, or ``[engine] launcher_status_file`` for the lone engine
+    ``default``): ``qwen38_engine_restarts_total{engine,reason}`` (engine runs ended by a
+    failure, each followed by a restart of the unit), ``qwen38_engine_hangs_total`` (hangs the
+    progress watchdog found), ``qwen38_engine_stalled_seconds`` (a request running with no token
+    or request counter moving, 0 when moving or idle),
+    ``qwen38_engine_launcher_state{engine,state}`` (1 for the current state),
+    ``qwen38_engine_launcher_updated_timestamp_seconds``.
     """
 
-    def __init__(self, path: Callable[[], str]) -> None:
-        self._path = path
+    def __init__(self, paths: Callable[[], Sequence[tuple[str, str]]]) -> None:
+        self._paths = paths
 
     def collect(self) -> Iterator[Metric]:
-        """The families above, nothing when the file cannot be used."""
-        path = self._path()
-        data = read_launcher_status(path) if path else None
-        if data is None:
+        """The families above; none when no engine's file can be used."""
+        found = [
+            (name, read_launcher_status(path) if path else None) for name, path in self._paths()
+        ]
+        statuses = [(name, data) for name, data in found if data is not None]
+        if not statuses:
             return
-        restarts = data.get("restarts_total")
-        restarts = restarts if isinstance(restarts, dict) else {}
-        family = CounterMetricFamily(
+        restarts = CounterMetricFamily(
             "qwen38_engine_restarts",
             "Engine runs ended by a failure (each followed by a restart), by reason.",
-            labels=["reason"],
+            labels=["engine", "reason"],
         )
-        for reason in RESTART_REASONS:
-            family.add_metric([reason], _number(restarts.get(reason)) or 0.0)
-        yield family
-        yield CounterMetricFamily(
+        hangs = CounterMetricFamily(
             "qwen38_engine_hangs",
             "Hangs found by the launcher's progress watchdog (a request running, no progress).",
-            value=_number(data.get("hangs_total")) or 0.0,
+            labels=["engine"],
         )
-        yield GaugeMetricFamily(
+        stalled = GaugeMetricFamily(
             "qwen38_engine_stalled_seconds",
             "Seconds a request has been running with no engine counter moving (0 when moving).",
-            value=_number(data.get("stalled_s")) or 0.0,
+            labels=["engine"],
         )
         state = GaugeMetricFamily(
             "qwen38_engine_launcher_state",
             "The launcher's state: 1 for the current one.",
-            labels=["state"],
+            labels=["engine", "state"],
         )
-        for name in STATES:
-            state.add_metric([name], 1.0 if data.get("state") == name else 0.0)
-        yield state
-        updated = _number(data.get("updated_at"))
-        if updated is not None:
-            yield GaugeMetricFamily(
-                "qwen38_engine_launcher_updated_timestamp_seconds",
-                "Unix time of the launcher's last status write.",
-                value=updated,
-            )
+        updated = GaugeMetricFamily(
+            "qwen38_engine_launcher_updated_timestamp_seconds",
+            "Unix time of the launcher's last status write.",
+            labels=["engine"],
+        )
+        for engine, data in statuses:
+            counts = data.get("restarts_total")
+            counts = counts if isinstance(counts, dict) else {}
+            for reason in RESTART_REASONS:
+                restarts.add_metric([engine, reason], _number(counts.get(reason)) or 0.0)
+            hangs.add_metric([engine], _number(data.get("hangs_total")) or 0.0)
+            stalled.add_metric([engine], _number(data.get("stalled_s")) or 0.0)
+            for name in STATES:
+                state.add_metric([engine, name], 1.0 if data.get("state") == name else 0.0)
+            at = _number(data.get("updated_at"))
+            if at is not None:
+                updated.add_metric([engine], at)
+        yield from (restarts, hangs, stalled, state)
+        if updated.samples:
+            yield updated

@@ -6,9 +6,12 @@ with ``synchronous = FULL``, see sqlite.org "Write-Ahead Logging" and "PRAGMA sy
 ``kill -9`` or a crash therefore loses at most the records that finished during the last
 ``flush_interval_s`` plus the time of one commit. A file that cannot be written (full disk,
 read-only path, missing permissions) is logged once per outage, counted in
-``gateway_ledger_write_errors_total`` and retried; the records wait in memory up to
-``max_pending`` (oldest dropped beyond it, counted in ``gateway_ledger_dropped_records_total``).
-A request never fails because of the ledger.
+``gateway_ledger_write_errors_total`` and retried. Records wait in memory up to ``max_pending``
+in all (queued, being written, kept for a retry), whether the file fails or a write hangs (a
+stalled disk): beyond it the oldest queued record is dropped as the new one arrives, counted in
+``gateway_ledger_dropped_records_total`` and logged by the writer as ``ledger_records_dropped``
+with the tokens they held per tenant, so no charge is lost unseen. A record takes about 510
+bytes (`RECORD_BYTES`). A request never fails because of the ledger.
 
 Readers (`open_readonly`) open the file read-only through a ``file:`` URI, so reports run against
 a live ledger without blocking its writer (WAL readers never block the writer).
@@ -32,12 +35,15 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = 3
-"""1: the first table; 2: ``record_id`` (the outbox's key); 3: ``engine``. Older files are
-completed in place at the first open (`connect`)."""
+SCHEMA_VERSION = 4
+"""1: the first table; 2: ``record_id`` (the outbox's key); 3: ``engine``; 4: ``attaches``.
+Older files are completed in place at the first open (`connect`)."""
 _BUSY_TIMEOUT_MS = 5000
 _PRUNE_BATCH = 10_000
 _RETRY_MAX_S = 5.0
+RECORD_BYTES = 600
+"""Memory of one waiting record, rounded up: a `UsageRecord` with a 128-character request id
+and its queue slot measured 510 bytes (tracemalloc, CPython 3.11, 64-bit)."""
 OUTBOX_NAME = "postgres"
 """The outbox cursor's row: records with a rowid up to its ``last_rowid`` are in PostgreSQL."""
 _SHIPPED = " AND rowid <= COALESCE((SELECT last_rowid FROM outbox WHERE name = 'postgres'), 0)"
@@ -59,7 +65,8 @@ CREATE TABLE IF NOT EXISTS usage (
     duration_s REAL NOT NULL,
     request_id TEXT NOT NULL,
     record_id TEXT,
-    engine TEXT
+    engine TEXT,
+    attaches INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 CREATE INDEX IF NOT EXISTS usage_tenant_day ON usage (tenant, day);
@@ -83,7 +90,7 @@ def utc_day(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class UsageRecord:
     """One finished model request, as stored (the table's columns, in order).
 
@@ -107,6 +114,8 @@ class UsageRecord:
             exactly once (a client may send the same ``x-request-id`` twice).
         engine: the name of the engine the request was sent to (``[[engines]]`` ``name``, or
             ``default``), None when it never reached one.
+        attaches: retries answered from this request's generation while it ran
+            (`gateway.retries`); they have no record of their own and are not charged.
     """
 
     ts: float
@@ -125,6 +134,7 @@ class UsageRecord:
     request_id: str
     record_id: str = field(default_factory=new_record_id)
     engine: str | None = None
+    attaches: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -172,6 +182,8 @@ def connect(path: str | os.PathLike[str]) -> sqlite3.Connection:
         conn.execute(_RECORD_ID_INDEX)
         if "engine" not in have:  # an older file: its records name no engine
             conn.execute("ALTER TABLE usage ADD COLUMN engine TEXT")
+        if "attaches" not in have:  # an older file: no request of it was attached to
+            conn.execute("ALTER TABLE usage ADD COLUMN attaches INTEGER NOT NULL DEFAULT 0")
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.commit()
     except BaseException:
@@ -221,7 +233,8 @@ class Ledger:
         flush_interval_s: longest time a record waits in memory before its commit (seconds).
         retention_days: records older than this are deleted (0 keeps everything).
         prune_interval_s: how often old records are deleted (seconds).
-        max_pending: records held in memory while writes fail; beyond it the oldest are dropped.
+        max_pending: records held in memory in all (queued, being written, kept for a retry);
+            beyond it the oldest queued are dropped, counted and logged.
         clock: wall-clock seconds since the epoch (retention cut-off).
         outbox: the file is the outbox of a PostgreSQL ledger (`gateway.ledger_ship`): records
             not shipped yet are never pruned.
@@ -249,18 +262,63 @@ class Ledger:
         self._clock = clock
         # deque.append and popleft are atomic: the request path appends, the writer drains.
         self._queue: collections.deque[UsageRecord] = collections.deque()
-        self._retry: list[UsageRecord] = []
+        # Records the writer holds outside the queue: its batch while it writes (a batch that
+        # failed goes back to the head of the queue, oldest first, for the next try).
+        self._unwritten = 0
+        # Dropped since the writer last logged it: records, and their tokens per tenant.
+        self._drop_lock = threading.Lock()
+        self._dropped = 0
+        self._dropped_tokens: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
         self._failing = False
         self._next_prune = 0.0
         self._lock = threading.Lock()  # one flush at a time (writer thread, `flush`, `close`)
+        self._metrics_each = False
         self.written = 0
 
     def record(self, rec: UsageRecord) -> None:
-        """Queue one record for the next commit; O(1), never blocks, never raises."""
-        self._queue.append(rec)
+        """Queue one record for the next commit; O(1), never blocks, never raises.
+
+        With ``max_pending`` records already held (the file failing, or a write hanging), the
+        oldest queued record is dropped for it (counted; logged by the writer).
+        """
+        queue = self._queue
+        queue.append(rec)
+        over = len(queue) + self._unwritten - self._max_pending
+        if over > 0:
+            self._drop(queue, over)
+        if self._metrics_each:
+            self._metrics.ledger_pending_records(len(queue) + self._unwritten)
+
+    def _drop(self, queue: collections.deque[UsageRecord], count: int) -> None:
+        """Drop up to ``count`` of the oldest queued records (the writer may take them first)."""
+        dropped: list[UsageRecord] = []
+        for _ in range(count):
+            try:
+                dropped.append(queue.popleft())
+            except IndexError:
+                break
+        if dropped:
+            self._count_dropped(dropped)
+
+    def _count_dropped(self, dropped: list[UsageRecord]) -> None:
+        self._metrics.ledger_dropped_records(len(dropped))
+        self._metrics_each = True  # the pending gauge follows every record while over
+        with self._drop_lock:
+            self._dropped += len(dropped)
+            for rec in dropped:
+                tokens = self._dropped_tokens
+                tokens[rec.tenant] = tokens.get(rec.tenant, 0) + rec.total_tokens
+
+    def _log_dropped(self) -> None:
+        """Log what was dropped since the last call (writer thread), once per flush."""
+        with self._drop_lock:
+            count, tokens = self._dropped, self._dropped_tokens
+            self._dropped, self._dropped_tokens = 0, {}
+        if count:
+            log.error("ledger_records_dropped", path=str(self.path), records=count, tokens=tokens)
 
     def start(self) -> None:
         """Open the file (failures are logged and retried by the writer) and start the writer."""
@@ -299,7 +357,7 @@ class Ledger:
                 totals = tokens_by_tenant(conn, since_ts)
             finally:
                 conn.close()
-        for rec in (*self._retry, *list(self._queue)):
+        for rec in list(self._queue):
             if rec.ts >= since_ts:
                 totals[rec.tenant] = totals.get(rec.tenant, 0) + rec.total_tokens
         return totals
@@ -332,11 +390,15 @@ class Ledger:
             return self._flush_locked()
 
     def _flush_locked(self) -> bool:
-        batch = self._retry
-        self._retry = []
+        self._log_dropped()
+        batch: list[UsageRecord] = []
         queue = self._queue
         for _ in range(len(queue)):
-            batch.append(queue.popleft())
+            try:
+                batch.append(queue.popleft())
+            except IndexError:  # `record` dropped the oldest meanwhile
+                break
+        self._unwritten = len(batch)
         if not batch:
             return True
         if not self._open():
@@ -351,6 +413,9 @@ class Ledger:
             self._keep(batch)
             return False
         self.written += len(batch)
+        self._unwritten = 0
+        self._log_dropped()  # what arrived past the bound while this write hung
+        self._metrics_each = False
         self._metrics.ledger_written(len(batch))
         self._metrics.ledger_pending_records(len(self._queue))
         if self._failing:
@@ -359,14 +424,16 @@ class Ledger:
         return True
 
     def _keep(self, batch: list[UsageRecord]) -> None:
-        """Hold a failed batch for the next try, dropping the oldest beyond ``max_pending``."""
+        """Put a failed batch back at the head of the queue for the next try, dropping the
+        oldest beyond ``max_pending``."""
         excess = len(batch) + len(self._queue) - self._max_pending
         if excess > 0:
+            self._count_dropped(batch[:excess])
             del batch[:excess]
-            self._metrics.ledger_dropped_records(excess)
-            log.error("ledger_records_dropped", path=str(self.path), records=excess)
-        self._retry = batch
-        self._metrics.ledger_pending_records(len(batch) + len(self._queue))
+            self._log_dropped()
+        self._queue.extendleft(reversed(batch))
+        self._unwritten = 0
+        self._metrics.ledger_pending_records(len(self._queue))
 
     def _fail(self, action: str, exc: BaseException) -> None:
         self._metrics.ledger_write_error()

@@ -20,14 +20,16 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.body import client_body, read_body, unplannable_as_400
+from gateway.affinity import Affinity, session_key
+from gateway.body import client_body, unplannable_as_400
+from gateway.body_memory import BodyHold, read_held
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput, PromptCounter
 from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
 from gateway.middleware import credential
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
-from gateway.state import CONTEXT, ENGINE_STATE, ENGINES, LIMITER
+from gateway.state import BODY_MEMORY, BUDGETS, CONTEXT, ENGINE_STATE, ENGINES, Caller
 from gateway.translate.anthropic_errors import (
     anthropic_error,
     anthropic_error_bytes,
@@ -142,14 +144,27 @@ async def count_tokens(request: web.Request) -> web.Response:
         NotFound: the model is neither the alias nor an accepted name.
         RateLimited: the tenant's requests-per-minute limit.
         EngineUnavailable, UpstreamError: the engine cannot count now.
+        PayloadTooLarge, RateLimited: the body does not fit ``server.bodies_max_bytes``.
     """
-    app = request.app
     context = request[CONTEXT]
     caller = context.caller
     assert caller is not None, "authentication runs first"
-    settings = context.live.settings
-    raw = await read_body(request, settings.server.max_body_bytes, settings.server.body_timeout_s)
+    memory = request.app[BODY_MEMORY]
+    hold = BodyHold(caller.tenant.name, caller.tenant.weight)
+    try:
+        return await _count_tokens(request, caller, hold)
+    finally:
+        memory.release(hold)
+
+
+async def _count_tokens(
+    request: web.Request, caller: Caller, memory_hold: BodyHold
+) -> web.Response:
+    app = request.app
+    settings = request[CONTEXT].live.settings
+    raw = await read_held(request, app[BODY_MEMORY], memory_hold, settings.server, caller.label)
     client = client_body(raw, credential(request, ANTHROPIC))
+    del raw  # held only while parsed (`gateway.body_memory`)
     with unplannable_as_400():
         translated = translate_messages(
             client, max_model_len=settings.engine.max_model_len, count_only=True
@@ -161,8 +176,11 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
-    limiter = app[LIMITER]
-    reservation = await limiter.reserve(caller.tenant, 0)
+    fleet, session = app[ENGINES], session_key(request.headers, client)
+    home = fleet.affinity.home(Affinity.digest(caller.tenant.name, session)) if session else None
+    budgets = app[BUDGETS]
+    hold = await budgets.reserve(caller.tenant, 0, quotas=False)
+    reservation = hold.rate
     try:
         body: dict[str, Any] = {
             "model": settings.engine.model,
@@ -172,10 +190,8 @@ async def count_tokens(request: web.Request) -> web.Response:
         }
         if translated.chat.get("tools"):
             body["tools"] = translated.chat["tools"]
-        answer = (
-            await app[ENGINES]
-            .any_ready()
-            .post("/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex)
+        answer = await fleet.counter(home).post(
+            "/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex
         )
         if answer.status != 200:
             raise await answer.error()
@@ -192,7 +208,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         if not isinstance(count, int):
             raise answer.failed(EngineBadResponse())
     finally:
-        await limiter.settle(reservation, 0)
+        await budgets.release(hold)
     return web.json_response(
         {"input_tokens": count}, headers=anthropic_headers(reservation.headers)
     )

@@ -21,7 +21,16 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 # Whole requests: a thinking answer of 32k tokens at 30 tok/s is ~18 min; up to 30 min.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800)
 # Time spent waiting for the engine in the admission queue (bounded by engine.queue_timeout_s).
-QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800)
+# |actual - predicted| start of a queued request (gateway.deadline): a second is good on a
+# queue of minutes; up to the queue timeout.
+FORECAST_ERROR_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+FORECAST_DIRECTIONS = ("late", "early")
+FORECAST_PHASES = ("prefill", "decode")
+DIALECTS = ("chat", "completions", "messages", "responses")
+# gateway.deadline: a non-streamed request's slot after its deadline; a stream whose keep-alives
+# would come too late for its deadline and whose slot comes after it.
+DEADLINE_REASONS = ("queue", "stream_silence")
 
 ROUTES = (
     "/v1/chat/completions",
@@ -100,20 +109,20 @@ class QuotaGauges(Collector):
         yield used
 
 
-# (engine name, slots, requests in flight), computed at scrape time.
-SlotSample = tuple[str, int, int]
+# (engine name, slots, requests in flight, in rotation), computed at scrape time.
+SlotSample = tuple[str, int, int, bool]
 
 
 class EngineSlotGauges(Collector):
-    """``gateway_engine_slots`` and ``gateway_engine_in_flight`` by engine, read at scrape time
-    from ``source`` (the admission queue's own counts, `gateway.placement.EngineSlots`). The
+    """``gateway_engine_slots``, ``gateway_engine_in_flight`` and ``gateway_engine_in_rotation``
+    by engine, read at scrape time from ``source`` (the admission queue's own counts, `gateway.placement.EngineSlots`). The
     ``engine`` label takes the configured engine names only."""
 
     def __init__(self) -> None:
         self.source: Callable[[], Iterable[SlotSample]] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        """The two families (declared even before the queue exists)."""
+        """The three families (declared even before the queue exists)."""
         slots = GaugeMetricFamily(
             "gateway_engine_slots",
             "Requests this engine takes at once (its max_concurrency).",
@@ -124,11 +133,18 @@ class EngineSlotGauges(Collector):
             "Requests holding a slot of this engine now.",
             labels=("engine",),
         )
-        for name, capacity, in_flight in self.source() if self.source is not None else ():
+        rotation = GaugeMetricFamily(
+            "gateway_engine_in_rotation",
+            "1 while new requests may be placed on this engine (ready, its probes answered).",
+            labels=("engine",),
+        )
+        for name, capacity, in_flight, live in self.source() if self.source is not None else ():
             slots.add_metric((name,), capacity)
             busy.add_metric((name,), in_flight)
+            rotation.add_metric((name,), 1.0 if live else 0.0)
         yield slots
         yield busy
+        yield rotation
 
 
 class Metrics:
@@ -179,6 +195,12 @@ class Metrics:
             "Requests waiting in the admission queue for an engine slot.",
             registry=registry,
         )
+        self.body_memory = Gauge(
+            "gateway_body_memory_bytes",
+            "Estimated memory held by the bodies of model requests in this process (being read, "
+            "queued or at an engine), bounded by server.bodies_max_bytes.",
+            registry=registry,
+        )
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds",
             "Time a request waited in the admission queue.",
@@ -188,7 +210,8 @@ class Metrics:
         )
         self.rate_limited = Counter(
             "gateway_rate_limited",
-            "Requests refused with 429, by tenant and limit (requests|tokens|concurrency|queue).",
+            "Requests refused with 429, by tenant and limit "
+            "(requests|tokens|concurrency|queue|memory|...).",
             ("tenant", "limit"),
             registry=registry,
         )
@@ -328,6 +351,32 @@ class Metrics:
             ("engine",),
             registry=registry,
         )
+        self.forecast_error = Histogram(
+            "gateway_queue_start_forecast_error_seconds",
+            "How far a queued request's slot came from its predicted time (late: after it).",
+            ("direction",),
+            buckets=FORECAST_ERROR_BUCKETS,
+            registry=registry,
+        )
+        self.deadline_refusals = Counter(
+            "gateway_deadline_refusals",
+            "Requests refused at once because the predicted wait exceeds the client's timeout.",
+            ("tenant", "dialect", "reason"),
+            registry=registry,
+        )
+        self.forecast_speed = Gauge(
+            "gateway_forecast_tokens_per_second",
+            "Engine speed the wait prediction uses (measured, else [deadline]), by phase.",
+            ("phase",),
+            registry=registry,
+        )
+        self.forecast_output = Gauge(
+            "gateway_forecast_output_tokens",
+            "Output tokens per choice the wait prediction expects (running mean of answers), by "
+            "thinking mode.",
+            ("thinking",),
+            registry=registry,
+        )
         self.quota = QuotaGauges()
         registry.register(self.quota)
         self.engine_slots = EngineSlotGauges()
@@ -359,10 +408,15 @@ class Metrics:
                 self.rate_limited.labels(tenant, limit)
             for kind in TOKEN_TYPES:
                 self.tokens.labels(tenant, kind)
+            for dialect in DIALECTS:
+                for reason in DEADLINE_REASONS:
+                    self.deadline_refusals.labels(tenant, dialect, reason)
         for result in RELOAD_RESULTS:
             self.config_reloads.labels(result)
         for kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(kind)
+        for direction in FORECAST_DIRECTIONS:
+            self.forecast_error.labels(direction)
 
     def prime_engines(self, names: Iterable[str]) -> None:
         """Create the per-engine children (``engine`` label: the configured names)."""

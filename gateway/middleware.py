@@ -25,6 +25,7 @@ from gateway.http_errors import error_for
 from gateway.metrics import ROUTES
 from gateway.secret_scan import looks_like_credential
 from gateway.state import (
+    BODY_MEMORY,
     CLOCK,
     CONTEXT,
     DIALECTS,
@@ -196,6 +197,8 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
         # bodies would wait for the next full garbage collection, which the gateway's gc
         # thresholds make rare (gateway.server), and hold many requests' bodies at once.
         call.plan = None
+        if call.body_hold is not None:
+            app[BODY_MEMORY].release(call.body_hold)
 
 
 @web.middleware
@@ -205,7 +208,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     `GatewayError`s are serialised in the route's dialect (OpenAI's shape for every route
     today); aiohttp's routing answers (404, 405) are translated first; text no codec accepts
     (a lone surrogate decoded from a header or a URL: `UnicodeError`) is the client's, a 400;
-    anything else is a bug: logged with its traceback, answered 500.
+    a connection the client broke before any answer (`ConnectionError`, e.g. a body cut off
+    mid-upload) is logged 499; anything else is a bug: logged with its traceback, answered 500.
     """
     context = request[CONTEXT]
     try:
@@ -220,6 +224,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         events.warning("bad_encoding", error=type(exc).__name__)
         error = error_for(exc, 400)
         context.reason = "bad_encoding"
+    except ConnectionError:
+        # The client's connection broke before an answer (its body cut off mid-upload, say):
+        # nobody can read a response. Logged 499 "client closed request" like a client that
+        # leaves mid-stream, never a 500 of the gateway's.
+        context.status = 499
+        context.reason = context.reason or "client_disconnect"
+        return web.Response(status=499)
     except Exception:
         events.exception("unhandled_error")
         error = GatewayError("Internal server error.")

@@ -26,8 +26,10 @@ from aiohttp import web
 
 from gateway.accounting import Accounting
 from gateway.affinity import Affinity, session_key
-from gateway.body import client_body, read_body, unplannable_as_400
+from gateway.body import client_body, unplannable_as_400
+from gateway.body_memory import BodyHold, read_held
 from gateway.budget import reserve_budgets
+from gateway.deadline import door_check, enqueued, finished, predict
 from gateway.dialects import Dialect, PlanInput
 from gateway.drain import Drain
 from gateway.errors import (
@@ -38,19 +40,30 @@ from gateway.errors import (
     GatewayTimeout,
     RequestQuarantined,
 )
-from gateway.framing import comment
+from gateway.failover import EngineStalled
 from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler, credential
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
+from gateway.retries import (
+    FLIGHTS,
+    RETRY_COUNT_HEADER,
+    body_digest,
+    follow,
+    idempotency_key,
+    lead,
+    retry_count,
+)
 from gateway.settling import release_ticket, run_to_end, settle, take_baseline
 from gateway.state import (
     ADMISSION,
     ANSWER_WORKER,
+    BODY_MEMORY,
     CLOCK,
     CONTEXT,
     DRAIN,
     ENGINE_STATE,
     ENGINES,
+    FORECASTER,
     METRICS,
     QUARANTINE,
     UPSTREAM,
@@ -58,11 +71,9 @@ from gateway.state import (
     ModelCall,
     RequestContext,
 )
+from gateway.waiting import Heartbeat, background_request, wait_for_slot
 
 log = structlog.get_logger("gateway.proxy")
-
-_QUEUED_COMMENT = comment("queued")
-_QUEUED_COMMENT_EVERY_S = 5.0
 
 
 def model_handler(dialect: Dialect) -> Handler:
@@ -88,17 +99,29 @@ def open_call(request: web.Request, dialect: Dialect) -> ModelCall:
     return call
 
 
-async def plan_call(request: web.Request, call: ModelCall) -> None:
-    """Read and parse the body, then let the dialect validate and rewrite it (``call.plan``).
+async def hold_body(request: web.Request, call: ModelCall) -> bytes:
+    """Read the body within ``server.bodies_max_bytes`` (`gateway.body_memory.read_held`); the
+    hold (``call.body_hold``) is released by `gateway.middleware.finish_request` when the
+    request's bodies are dropped."""
+    tenant = call.caller.tenant
+    hold = call.body_hold = BodyHold(tenant.name, tenant.weight)
+    memory = request.app[BODY_MEMORY]
+    return await read_held(request, memory, hold, call.settings.server, call.caller.label)
+
+
+async def plan_call(request: web.Request, call: ModelCall) -> bytes:
+    """Read and parse the body, then let the dialect validate and rewrite it (``call.plan``);
+    returns the body's bytes as received (after any ``Content-Encoding``), which the caller
+    drops before it waits (`gateway.body_memory` counts them only while the body is planned).
 
     Raises:
         PayloadTooLarge, RequestTimeout, BadRequest: the body could not be read or parsed.
         ClientError: the dialect refused the body (bad field, unknown model, policy).
     """
     live = call.live
-    server = live.settings.server
-    raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+    raw = await hold_body(request, call)
     body = client_body(raw, credential(request, call.dialect))
+    call.background = background_request(request.headers, body)
     session = session_key(request.headers, body)
     if session is not None and call.live.settings.engine.affinity:
         call.session = Affinity.digest(call.caller.tenant.name, session)
@@ -111,13 +134,18 @@ async def plan_call(request: web.Request, call: ModelCall) -> None:
     )
     with unplannable_as_400():
         call.plan = call.dialect.plan(given)
+    if call.plan.held_extra and call.body_hold is not None:
+        hold = call.body_hold
+        request.app[BODY_MEMORY].take(hold, hold.size + call.plan.held_extra, call.caller.label)
+    return raw
 
 
 async def handle_model_request(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     """One model request from its body to its settled usage (the stages in the module doc).
 
     During a drain (`gateway.drain`) a new request is refused at once with 503 and
-    ``Retry-After``, before its body is read or any limit is touched.
+    ``Retry-After``, before its body is read or any limit is touched. A retry of a request
+    already running or answered attaches to it (`gateway.retries`) instead of running again.
     """
     app = request.app
     call = open_call(request, dialect)
@@ -125,7 +153,26 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
         error = Drain.error()
         error.headers["Connection"] = "close"
         raise error
-    await plan_call(request, call)
+    raw = await plan_call(request, call)
+    settings = call.settings.retries
+    if not settings.enabled:
+        del raw
+        return await run_call(request, call)
+    flights = app[FLIGHTS]
+    digest = body_digest(call.context.route, raw)
+    del raw
+    key = idempotency_key(request)
+    tenant = call.caller.tenant.name
+    found, match = flights.find(settings, tenant, digest, key, retry_count(request))
+    if found is not None:
+        return await follow(request, call, found, match)
+    flight = flights.open(settings, call, digest, key, RETRY_COUNT_HEADER in request.headers)
+    return await lead(request, call, flight, lambda: run_call(request, call))
+
+
+async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
+    """The planned request through quarantine, budgets, the queue and the engine."""
+    app = request.app
     plan = call.plan
     assert plan is not None
     quarantine = app[QUARANTINE]
@@ -135,26 +182,37 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
+    forecaster = app[FORECASTER]
+    door_check(call, app[ADMISSION], forecaster, request.headers)  # before any limit is taken
 
     reservation = await reserve_budgets(request, call)
     plan = call.plan
     assert plan is not None
-    call.reservation = reservation
     metrics = app[METRICS]
     label = call.caller.label
     metrics.in_flight.labels(label).inc()
     try:
         tenant = call.caller.tenant
         home = app[ENGINES].affinity.home(call.session)
+        forecast = predict(call, app[ADMISSION], forecaster)
         ticket = app[ADMISSION].enqueue(
-            tenant.name, tenant.weight, plan.reserve_tokens, label=label, home=home
+            tenant.name,
+            tenant.weight,
+            plan.reserve_tokens,
+            label=label,
+            home=home,
+            background=call.background,
         )
         call.ticket = ticket
+        enqueued(call, forecaster, forecast)
         try:
             with app[DRAIN].track():
                 return await admit_and_call(request, call)
         finally:
-            await run_to_end(release_ticket(request, call, ticket))
+            try:
+                await run_to_end(release_ticket(request, call, ticket))
+            finally:
+                finished(call, forecaster)
     except GatewayError as exc:
         for name, value in reservation.headers.items():
             exc.headers.setdefault(name, value)
@@ -192,11 +250,13 @@ def record_call(accounting: Accounting, context: RequestContext) -> None:
         duration_s=context.duration_s or 0.0,
         request_id=context.request_id,
         engine=call.engine,
+        attaches=call.attaches,
     )
 
 
 async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
-    """Wait for an engine slot (with ``: queued`` comments for long-waiting streams), then call.
+    """Wait for an engine slot (a long-waiting stream opens and beats: `gateway.waiting`), then
+    call the engine.
 
     A request that waited in the queue keeps waiting for an engine that went down for the rest
     of its queue time (``engine.queue_timeout_s``); a fresh one gets 503 at once.
@@ -206,24 +266,22 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
     engine = call.settings.engine
     ticket = call.ticket
     stream = ClientStream(request, call) if call.plan.stream else None
+    heartbeat = Heartbeat(stream, call, app[CLOCK]) if stream is not None else None
     try:
         comment_after = engine.queued_comment_after_s
-        if stream is not None and comment_after > 0:
-            every = call.settings.server.sse_keepalive_s or _QUEUED_COMMENT_EVERY_S
-            granted = await ticket.wait(comment_after)
-            while not granted:
-                await stream.send(_QUEUED_COMMENT)
-                granted = await ticket.wait(every)
+        if heartbeat is not None and comment_after > 0:
+            await wait_for_slot(ticket, heartbeat, comment_after)
         else:
             await ticket.wait(None)
         call.queued_s = ticket.waited_s
+        app[FORECASTER].started(ticket)
         state = app[ENGINE_STATE]
         if not state.ready:
             remaining = max(0.0, engine.queue_timeout_s - ticket.waited_s)
             if not await state.wait_ready(remaining):
                 raise state.unavailable()
-        if not app[ENGINES].state(ticket.engine).ready:
-            # Granted while no engine was ready; another one came back first.
+        if app[ENGINES].elsewhere(ticket.engine):
+            # Granted while no engine was ready, or its engine stalled since: another one is in.
             await _move(app, call, ticket.engine)
     except GatewayError as exc:
         if stream is None or stream.response is None:
@@ -237,7 +295,7 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
     queued_budget = 0.0
     if ticket.waited_s > 0:
         queued_budget = max(0.0, engine.queue_timeout_s - ticket.waited_s)
-    return await call_engine(request, call, stream, queued_budget)
+    return await call_engine(request, call, stream, queued_budget, heartbeat)
 
 
 def _hang_kill(call: ModelCall, engine: str) -> bool:
@@ -265,7 +323,11 @@ async def _move(app: web.Application, call: ModelCall, failed: str | None) -> bo
 
 
 async def call_engine(
-    request: web.Request, call: ModelCall, stream: ClientStream | None, queued_budget: float
+    request: web.Request,
+    call: ModelCall,
+    stream: ClientStream | None,
+    queued_budget: float,
+    heartbeat: Heartbeat | None = None,
 ) -> web.StreamResponse:
     """POST to the engine and relay its answer; the engine answer is ended on every exit.
 
@@ -294,7 +356,7 @@ async def call_engine(
 
     timer = asyncio.get_running_loop().call_later(limit, expire) if limit else None
     try:
-        return await _call_engine(request, call, stream, queued_budget)
+        return await _call_engine(request, call, stream, queued_budget, heartbeat)
     except asyncio.CancelledError:
         cut: GatewayError
         if request.app[DRAIN].cut_by_shutdown():
@@ -338,7 +400,11 @@ def time_limit(call: ModelCall) -> float | None:
 
 
 async def _call_engine(
-    request: web.Request, call: ModelCall, stream: ClientStream | None, queued_budget: float
+    request: web.Request,
+    call: ModelCall,
+    stream: ClientStream | None,
+    queued_budget: float,
+    heartbeat: Heartbeat | None,
 ) -> web.StreamResponse:
     assert call.plan is not None and call.ticket is not None
     app = request.app
@@ -353,8 +419,7 @@ async def _call_engine(
     while True:
         posting = False
         name = call.ticket.engine
-        upstream = fleet.upstream(name)
-        state = fleet.state(name)
+        upstream, state = fleet.upstream(name), fleet.state(name)
         try:
             if fingerprint is not None:
                 quarantine.check(fingerprint, call.caller.label)  # quarantined while waiting
@@ -366,7 +431,8 @@ async def _call_engine(
             if name is not None:
                 app[METRICS].engine_requests.labels(name).inc()
                 fleet.affinity.served(call.session, name)
-            answer = await upstream.post(
+            answer = await fleet.post(
+                name,
                 call.dialect.engine_path,
                 call.plan.body,
                 call.engine_request_id,
@@ -384,7 +450,8 @@ async def _call_engine(
             if token is not None:
                 quarantine.finished(token, dropped=sent)
                 token = None
-            state.set("down", "connection dropped" if sent else "connection refused")
+            if not isinstance(exc, EngineStalled):
+                state.set("down", "connection dropped" if sent else "connection refused")
             error: GatewayError = exc
             if sent:
                 if not retried and fingerprint is not None and not _hang_kill(call, name or ""):
@@ -443,7 +510,7 @@ async def _call_engine(
                 raise error
             return await stream.end_with_error(error)
         if stream is not None:
-            result = await relay_stream(request, call, answer, stream)
+            result = await relay_stream(request, call, answer, stream, heartbeat)
         else:
             result = await relay_json(request, call, answer, app[ANSWER_WORKER])
         complete = True

@@ -9,8 +9,8 @@ give up on a client that stopped reading, one final error event after the header
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -34,11 +34,49 @@ from gateway.sse import EventTooLarge, StreamProtocolError
 from gateway.state import CLOCK, METRICS, ModelCall
 from gateway.upstream import UpstreamAnswer
 
+if TYPE_CHECKING:
+    from gateway.dialects import StreamRelay
+
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
+
+
+class Beat(Protocol):
+    """The signs of life of a waiting stream (`gateway.waiting.Heartbeat`)."""
+
+    every: float
+
+    async def beat(self, keepalive: bytes) -> None:
+        """Send ``keepalive`` or a progress event; raises ConnectionResetError if the client left."""
+
+
+class Tap(Protocol):
+    """A record of what a stream sends, for other connections to read (`gateway.flight.Flight`).
+
+    ``detached``: the stream's own client is gone but the generation goes on; nothing is
+    written to its connection any more, only to the tap.
+    """
+
+    detached: bool
+
+    def opened(self, status: int, headers: Mapping[str, str]) -> None:
+        """The status line and headers."""
+
+    def sent(self, data: bytes) -> None:
+        """Bytes written."""
+
+    def ended(self) -> None:
+        """The stream ended."""
+
+    def lost(self) -> bool:
+        """The client went away: True when the stream goes on without it (detached)."""
+
+
+TAP = web.RequestKey("tap", Tap)
+"""The request's `Tap`, set by `gateway.retries.lead` for a stream others may attach to."""
 
 
 class ClientStalled(ConnectionResetError):
@@ -53,14 +91,15 @@ class ClientStream:
         call: the model call (its snapshot gives the write timeout, its dialect the error shape).
     """
 
-    __slots__ = ("_call", "_request", "_timeout", "relay", "response")
+    __slots__ = ("_call", "_request", "_timeout", "relay", "response", "tap")
 
     def __init__(self, request: web.Request, call: ModelCall) -> None:
         self._request = request
         self._call = call
+        self.tap = request.get(TAP)
         self._timeout = call.settings.server.client_write_timeout_s
         self.response: web.StreamResponse | None = None
-        self.relay: object | None = None  # the stream relay, once the engine answered
+        self.relay: StreamRelay | None = None  # made when the stream opens (queued or answered)
 
     async def start(self) -> web.StreamResponse:
         """Send the SSE headers once: no proxy buffering, no compression (case C01)."""
@@ -70,7 +109,15 @@ class ClientStream:
                 headers.update(self._call.dialect.limit_headers(self._call.reservation.headers))
             response = web.StreamResponse(status=200, headers=headers)
             response.headers["x-request-id"] = self._call.context.request_id
-            await response.prepare(self._request)
+            tap = self.tap
+            if tap is not None:
+                tap.opened(response.status, response.headers)
+            if tap is None or not tap.detached:
+                try:
+                    await response.prepare(self._request)
+                except ConnectionResetError:
+                    if tap is None or not tap.lost():
+                        raise
             self.response = response
         return self.response
 
@@ -85,6 +132,20 @@ class ClientStream:
             ConnectionResetError: the client went away (`ClientStalled` when it stopped reading).
         """
         response = self.response or await self.start()
+        tap = self.tap
+        if tap is None:
+            await self._write(response, data)
+            return
+        tap.sent(data)
+        if tap.detached:
+            return
+        try:
+            await self._write(response, data)
+        except ConnectionResetError:
+            if not tap.lost():
+                raise
+
+    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
         transport = self._request.transport
         if transport is None or (
             not transport.get_write_buffer_size()
@@ -101,8 +162,17 @@ class ClientStream:
     async def end(self, tail: bytes) -> web.StreamResponse:
         """The last bytes and the chunked terminator in one write; status 200 for the log."""
         response = self.response or await self.start()
-        await response.write_eof(tail)
+        tap = self.tap
+        if tap is not None:
+            tap.sent(tail)
+            tap.ended()
         self._call.context.status = 200
+        if tap is None or not tap.detached:
+            try:
+                await response.write_eof(tail)
+            except ConnectionResetError:
+                if tap is None or not tap.lost():
+                    raise
         return response
 
     async def end_with_error(self, error: GatewayError) -> web.StreamResponse:
@@ -121,6 +191,12 @@ class ClientStream:
         context.reason = context.reason or error.reason
         render = getattr(self.relay, "error_event", None)  # a relay that knows what was sent
         event = render(error) if render is not None else self._call.dialect.error_event(error)
+        tap = self.tap
+        if tap is not None:
+            tap.sent(event)
+            tap.ended()
+            if tap.detached:
+                return response
         try:
             await response.write(event)
             await response.write_eof()
@@ -143,35 +219,42 @@ def client_gone(request: web.Request, call: ModelCall, stalled: bool = False) ->
 
 
 async def relay_stream(
-    request: web.Request, call: ModelCall, answer: UpstreamAnswer, stream: ClientStream
+    request: web.Request,
+    call: ModelCall,
+    answer: UpstreamAnswer,
+    stream: ClientStream,
+    heartbeat: Beat | None = None,
 ) -> web.StreamResponse:
     """Forward the engine's SSE as it arrives: one client write per engine read (case C01).
 
     Whatever ends the stream (the client gone, cancellation, an engine drop), the usage seen
     so far is recorded on ``call.usage``: the final usage of a complete answer, the running
     usage (what was streamed) of one cut short. An engine failure after the headers is one final
-    error event; a client that went away is a 499.
+    error event; a client that went away is a 499. The relay opened while the request was
+    queued (``stream.relay``) is kept; ``heartbeat`` beats while the engine is silent before its
+    first read.
     """
     assert call.plan is not None, "the call is planned before the engine is called"
     metrics = request.app[METRICS]
     clock = request.app[CLOCK]
     context = call.context
-    relay = call.dialect.stream_relay(call.settings, call.plan)
-    stream.relay = relay
+    relay = stream.relay
+    if relay is None:
+        relay = stream.relay = call.dialect.stream_relay(call.settings, call.plan)
     state = relay.state
     failure: GatewayError | None = None
     keepalive = call.dialect.keepalive
-    every = call.settings.server.sse_keepalive_s
-    if every <= 0:
+    if heartbeat is None or heartbeat.every <= 0:
         keepalive = None
     try:
         await stream.start()
         try:
-            if keepalive is not None:
+            if keepalive is not None and heartbeat is not None:
                 opening = getattr(relay, "start", None)
-                if opening is not None:
-                    await stream.send(opening())
-                first = await _first_read(answer, stream, keepalive, every)
+                data = opening() if opening is not None else b""
+                if data:
+                    await stream.send(data)
+                first = await _first_read(answer, heartbeat, keepalive)
                 if first is not None:
                     answer_reads: Any = _prepend(first, answer)
                 else:
@@ -205,21 +288,14 @@ async def relay_stream(
     except ConnectionResetError as exc:
         return stream.gone(isinstance(exc, ClientStalled))
     finally:
-        usage = call.usage
-        usage.streamed_events = state.content_events
-        usage.streamed = state.running
-        if state.usage is not None:
-            usage.prompt_tokens = state.usage.prompt_tokens
-            usage.completion_tokens = state.usage.completion_tokens
-            usage.reasoning_tokens = state.usage.reasoning_tokens
+        call.usage.record_stream(state.usage, state.running, state.content_events)
 
 
-async def _first_read(
-    answer: UpstreamAnswer, stream: ClientStream, keepalive: bytes, every: float
-) -> bytes | None:
-    """The engine's first read, sending ``keepalive`` every ``every`` seconds
-    (``server.sse_keepalive_s``) while it is silent (prefill of a long prompt takes minutes),
-    so idle timeouts of clients and proxies do not fire; None at the end of the body.
+async def _first_read(answer: UpstreamAnswer, heartbeat: Beat, keepalive: bytes) -> bytes | None:
+    """The engine's first read, beating (``keepalive``, or a progress event) every
+    ``heartbeat.every`` seconds (``server.sse_keepalive_s``) while it is silent (prefill of a
+    long prompt takes minutes), so idle timeouts of clients and proxies do not fire; None at the
+    end of the body.
 
     Raises:
         UpstreamError: the engine failed before its first byte.
@@ -228,10 +304,10 @@ async def _first_read(
     pending = asyncio.ensure_future(answer.__anext__())
     try:
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=every)
+            done, _ = await asyncio.wait({pending}, timeout=heartbeat.every)
             if done:
                 break
-            await stream.send(keepalive)
+            await heartbeat.beat(keepalive)
         try:
             return pending.result()
         except StopAsyncIteration:
@@ -282,9 +358,7 @@ async def relay_json(
             EngineBadResponse("The gateway failed to rewrite the engine's answer."), exc
         ) from exc
     del parts
-    call.usage.prompt_tokens = result.prompt_tokens
-    call.usage.completion_tokens = result.completion_tokens
-    call.usage.reasoning_tokens = result.reasoning_tokens
+    call.usage.record_final(result.usage)
     if offloaded is None:
         return web.Response(body=result.body, content_type="application/json", headers=headers)
     if result.stored is not None and dialect.store_answer is not None:

@@ -16,11 +16,13 @@ created with ``background`` (which this server does not run). With the store off
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 from aiohttp import web
 
+from gateway.body_memory import held_estimate
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput
 from gateway.errors import BadRequest, GatewayError, NotFound, quotable
@@ -60,6 +62,7 @@ def responses_dialect(store: ResponseStore) -> Dialect:
     def plan(given: PlanInput) -> RequestPlan:
         body = given.body
         history = None
+        held_extra = 0
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
         if previous is not None:
             if not given.settings.responses.store:
@@ -72,9 +75,12 @@ def responses_dialect(store: ResponseStore) -> Dialect:
                 raise BadRequest(
                     "'previous_response_id' must be a string.", param="previous_response_id"
                 )
-            history = store.history(given.tenant.name, previous)
-            if history is None:
+            entry = store.get(given.tenant.name, previous)
+            if entry is None:
                 raise _not_found(previous)
+            history = [*entry.input_items, *entry.response.get("output", [])]
+            # The conversation it continues is held decoded and in the engine body.
+            held_extra = entry.size + held_estimate(entry.input_json + entry.response_json)
         translated = translate_responses(
             body, max_model_len=given.settings.engine.max_model_len, history=history
         )
@@ -82,7 +88,7 @@ def responses_dialect(store: ResponseStore) -> Dialect:
         translated.extra["stored"] = stored
         translated.extra["tenant"] = given.tenant.name
         translated.extra["input_items"] = [*(history or []), *_input_items(body)] if stored else []
-        return plan_translated(given, translated)
+        return dataclasses.replace(plan_translated(given, translated), held_extra=held_extra)
 
     def keep(writer: ResponsesWriter) -> None:
         extra = writer.extra

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from gateway.ceiling import chat_ceiling, completion_ceiling
 from gateway.config import Settings, TenantSettings
-from gateway.errors import BadRequest, ModelNotFound, PermissionDenied
+from gateway.errors import QUOTABLE_MAX_CHARS, BadRequest, ModelNotFound, PermissionDenied
 from gateway.validate import find_unsendable, validate_fields
 
 Kind = Literal["chat", "completions"]
@@ -66,6 +66,11 @@ class RequestPlan:
         prompt_ceiling: prompt tokens the engine cannot exceed (`gateway.ceiling`), or its exact
             count once asked (``prompt_exact``).
         prompt_exact: ``prompt_ceiling`` is the engine's own count (``/tokenize``).
+        default_output: the engine body's output-budget field when the gateway set it from its
+            own default (the client set none; ``max_output`` then came from the prompt
+            estimate), else None: `gateway.budget.fit_default_output` makes it fit the context.
+        held_extra: bytes of memory the request holds beyond what its client body accounts for
+            (a stored conversation it continues), counted against ``server.bodies_max_bytes``.
     """
 
     body: bytes
@@ -79,6 +84,8 @@ class RequestPlan:
     client_wants_running_usage: bool = False
     prompt_ceiling: int = 0
     prompt_exact: bool = False
+    default_output: str | None = None
+    held_extra: int = 0
 
     @property
     def output_tokens(self) -> int:
@@ -100,6 +107,16 @@ class RequestPlan:
             prompt_ceiling=count,
             prompt_exact=True,
             reserve_tokens=count + self.output_tokens,
+        )
+
+    def with_output(self, max_output: int, body: bytes) -> RequestPlan:
+        """This plan with another output budget per sequence (``body`` carries it)."""
+        sequences = self.output_tokens // self.max_output if self.max_output > 0 else 1
+        return dataclasses.replace(
+            self,
+            body=body,
+            max_output=max_output,
+            reserve_tokens=self.prompt_ceiling + max_output * sequences,
         )
 
 
@@ -315,11 +332,13 @@ def plan_request(
         # "Defaults to 16"); sent explicitly so the reservation matches what the engine does.
         requested = min(COMPLETIONS_DEFAULT_MAX_TOKENS, context)
         out["max_tokens"] = requested
+    default_output = None
     if requested is None:
         room = context - prompt_estimate
         max_output = max(1, min(tenant.max_tokens, room))
         if room >= 1:
             out[max_fields[0]] = max_output
+            default_output = max_fields[0]
     else:
         max_output = requested
         _check_context(body, max_fields, requested, context, prompts)
@@ -348,6 +367,7 @@ def plan_request(
         max_output=max_output,
         reserve_tokens=prompt_ceiling + max_output * sequences,
         prompt_ceiling=prompt_ceiling,
+        default_output=default_output,
     )
 
 
@@ -420,8 +440,12 @@ def _check_context(
     """
     name = next((f for f in max_fields if body.get(f) is not None), max_fields[-1])
     if requested > context:
+        # The value is quoted only when short: errors quote at most QUOTABLE_MAX_CHARS
+        # characters of a client value (case C29), a 35-digit number included.
+        shown = str(requested)
+        value = f" {shown}," if len(shown) <= QUOTABLE_MAX_CHARS else ""
         raise BadRequest(
-            f"'{name}' is {requested}, more than this model's context of {context} tokens.",
+            f"'{name}' is{value} more than this model's context of {context} tokens.",
             param=name,
         )
     exact = prompts is not None and isinstance(body.get("prompt"), list)

@@ -22,11 +22,11 @@ from aiohttp import web
 from gateway.admission import Ticket
 from gateway.counters import generated, settled_counters
 from gateway.state import (
-    ACCOUNTING,
     ADMISSION,
+    BUDGETS,
     ENGINE_STATE,
+    ENGINES,
     IDLE_COUNTERS,
-    LIMITER,
     METRICS,
     UPSTREAM,
     ModelCall,
@@ -65,6 +65,8 @@ async def release_ticket(request: web.Request, call: ModelCall, ticket: Ticket) 
     usage = call.usage
     try:
         baseline = call.baseline
+        if isinstance(baseline, asyncio.Future):
+            baseline = await asyncio.shield(baseline)
         if baseline is not None and usage.cut and not usage.settled:
             after = await settled_counters(request.app[UPSTREAM], baseline.counters)
             if after is not None and request.app[ADMISSION].grants == baseline.grants:
@@ -92,13 +94,14 @@ async def take_baseline(request: web.Request, call: ModelCall) -> None:
     """The engine's counters before sending ``call``, when it holds the engine's only slot
     (``engine.max_concurrency = 1`` and no other request at the engine): the reading taken
     while the engine was idle since the previous request (`gateway.counters.IdleCounters`), so
-    the request path reads ``/metrics`` only when there is none; else no baseline is taken and
-    a cut is charged its streamed usage (`gateway.state.Usage.settle`)."""
+    the request path reads ``/metrics`` only when there is none, and a reading still under way
+    finishes beside the request (`gateway.counters.IdleCounters.baseline_at_once`); else no
+    baseline is taken and a cut is charged its streamed usage (`gateway.meter.Meter.settle`)."""
     call.baseline = None
     admission = request.app[ADMISSION]
     if admission.max_concurrency != 1 or admission.in_flight != 1:
         return
-    call.baseline = await request.app[IDLE_COUNTERS].baseline(admission.grants)
+    call.baseline = await request.app[IDLE_COUNTERS].baseline_at_once(admission.grants)
 
 
 async def settle(request: web.Request, call: ModelCall) -> None:
@@ -109,10 +112,11 @@ async def settle(request: web.Request, call: ModelCall) -> None:
     of the prompt (`Upstream.count_prompt`, while the engine is up); the estimate stands
     otherwise.
     """
-    assert call.plan is not None and call.reservation is not None
+    assert call.plan is not None and call.hold is not None
     usage = call.usage
     if needs_prompt_count(call) and request.app[ENGINE_STATE].ready:
-        usage.prompt_tokens = await request.app[UPSTREAM].count_prompt(
+        counter = request.app[ENGINES].counter(call.engine)
+        usage.prompt_tokens = await counter.count_prompt(
             call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
         )
     prompt, completion = usage.settle(call.plan.prompt_fallback, call.plan.n)
@@ -129,6 +133,4 @@ async def settle(request: web.Request, call: ModelCall) -> None:
         metrics = request.app[METRICS]
         metrics.tokens.labels(call.caller.label, "prompt").inc(prompt)
         metrics.tokens.labels(call.caller.label, "completion").inc(completion)
-    await request.app[LIMITER].settle(call.reservation, prompt + completion)
-    if call.quota is not None:
-        await request.app[ACCOUNTING].settle(call.quota, prompt + completion)
+    await request.app[BUDGETS].settle(call.hold, prompt + completion)

@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from gateway.framing import DONE, data_event
+from gateway.meter import EngineUsage, RunningUsage, parse_usage
 
 log = structlog.get_logger("gateway.sse")
 
@@ -49,47 +50,6 @@ class EventTooLarge(StreamProtocolError):
 
 
 @dataclass
-class Usage:
-    """Token usage as the engine reported it (OpenAI ``usage`` object); counts are tokens.
-
-    ``reasoning_tokens`` is ``completion_tokens_details.reasoning_tokens`` when reported (part
-    of ``completion_tokens``), else None.
-    """
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    reasoning_tokens: int | None = None
-
-
-@dataclass
-class RunningUsage:
-    """The engine's running usage (``continuous_usage_stats``): what was streamed so far.
-
-    vLLM's per-chunk ``usage`` counts the tokens of the chunk's own choice (OpenAI API reference,
-    ``stream_options``; vLLM docs, "OpenAI-Compatible Server", ``continuous_usage_stats``), so
-    the running total is kept per choice index and summed.
-
-    Attributes:
-        prompt_tokens: the engine's prompt count (the largest reported; choices share the prompt).
-        choices: choice index -> (completion tokens, reasoning tokens or None), the last reported.
-    """
-
-    prompt_tokens: int = 0
-    choices: dict[int, tuple[int, int | None]] = field(default_factory=dict)
-
-    @property
-    def completion_tokens(self) -> int:
-        """Completion tokens streamed, all choices together."""
-        return sum(completion for completion, _ in self.choices.values())
-
-    @property
-    def reasoning_tokens(self) -> int | None:
-        """Reasoning tokens streamed (part of `completion_tokens`), None when not reported."""
-        counts = [reasoning for _, reasoning in self.choices.values() if reasoning is not None]
-        return sum(counts) if counts else None
-
-
-@dataclass
 class RelayState:
     """What the relay observed; read by the caller for accounting, metrics and logs.
 
@@ -98,7 +58,10 @@ class RelayState:
         content_events: data events other than the first (role) chunk, usage and errors; an upper
             bound of tokens streamed, used only when the engine never sent usage (a drop).
         usage: the engine's final usage, once its usage-only chunk (``choices: []``) was seen.
-        running: the engine's running usage (tokens streamed so far), once a chunk carried one.
+        running: the engine's running usage (tokens streamed so far), once a chunk carried one;
+            read from `running_raw` when asked (once per stream), not per chunk.
+        running_raw: choice index -> the bytes of the last ``,"usage":{...}`` that choice's
+            chunks carried (to the end of the chunk), kept as received.
         done: the engine sent ``[DONE]``.
         finished_choices: ``finish_reason`` values seen (one per choice at a normal end).
         error: the error object of an in-stream error event, if any.
@@ -107,12 +70,24 @@ class RelayState:
 
     events: int = 0
     content_events: int = 0
-    usage: Usage | None = None
-    running: RunningUsage | None = None
+    usage: EngineUsage | None = None
+    running_raw: dict[int, bytes] = field(default_factory=dict)
     done: bool = False
     finished_choices: int = 0
     error: dict[str, Any] | None = None
     dropped_events: int = 0
+
+    @property
+    def running(self) -> RunningUsage | None:
+        """The running usage of the last chunk of each choice, None when none was readable."""
+        running = None
+        for index, raw in sorted(self.running_raw.items()):
+            usage = read_usage_tail(raw)
+            if usage is not None:
+                if running is None:
+                    running = RunningUsage()
+                running.observe(usage, index)
+        return running
 
 
 class SseRelay:
@@ -182,9 +157,23 @@ class SseRelay:
             len(block) > self._max_event for block in complete.split(b"\n\n")
         ):
             raise EventTooLarge(f"an event larger than {self._max_event} bytes")
+        # A run that ends the answer (its usage chunk, [DONE]): the events before its last two
+        # are usually plain, so they take the fast path and only the end goes event by event.
+        cut = complete.rfind(b"\n\n", 0, complete.rfind(b"\n\n", 0, len(complete) - 2))
+        if cut > 0:
+            tail = complete[cut + 2 :]
+            if b"data: [DONE]" in tail or b'"choices":[]' in tail:
+                fast = self._plain_events(complete[: cut + 2])
+                if fast is not None:
+                    return fast + self._each_event(tail)
+                return self._each_event(complete)
         fast = self._plain_events(complete)
         if fast is not None:
             return fast
+        return self._each_event(complete)
+
+    def _each_event(self, complete: bytes) -> bytes:
+        """Relay a run of whole events (ending in a blank line) event by event."""
         out = []
         for block in complete[:-2].split(b"\n\n"):
             if block:
@@ -252,12 +241,16 @@ class SseRelay:
             return None
         if b'"usage":' in chunk:
             if events == 1:
-                chunk = data_event(self._take_running_usage(chunk[6:-2]))
+                chunk = self._take_running_usage(chunk)  # the framing is left as it is
             else:
-                chunk = b"".join(
-                    data_event(self._take_running_usage(event[6:]))
-                    for event in chunk[:-2].split(b"\n\n")
-                )
+                run = self._running_of_run(chunk, events)
+                if run is not None:
+                    chunk = run
+                else:
+                    chunk = b"".join(
+                        data_event(self._take_running_usage(event[6:]))
+                        for event in chunk[:-2].split(b"\n\n")
+                    )
         state.content_events += events if state.events else events - 1
         state.events += events
         state.finished_choices += chunk.count(b'"finish_reason":"')
@@ -348,80 +341,91 @@ class SseRelay:
             return
         if not isinstance(obj, dict) or obj.get("choices") != []:
             return
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.state.usage = _usage(usage)
+        usage = parse_usage(obj.get("usage"))
+        if usage is not None:
+            self.state.usage = usage
+
+    def _running_of_run(self, chunk: bytes, events: int) -> bytes | None:
+        """A run of ``events`` single-choice events each carrying one ``usage`` object of
+        vLLM's form: the last one recorded in one pass, the run returned without them (unless
+        the client asked for them); None to go event by event."""
+        if self._n != 1 or chunk.count(_USAGE_KEY) != events:
+            return None
+        if self._wants_running:
+            if len(_USAGE_OBJECT.findall(chunk)) != events:
+                return None
+            out = chunk
+        else:
+            out, found = _USAGE_OBJECT.subn(b"", chunk)
+            if found != events:
+                return None
+        self.state.running_raw[0] = chunk[chunk.rfind(_USAGE_KEY) : -2]
+        return out
 
     def _take_running_usage(self, payload: bytes) -> bytes:
-        """Record the running ``usage`` of one chunk; the chunk without it unless the client
-        asked for it (the bytes vLLM sends without ``continuous_usage_stats``)."""
-        flat = _flat_usage(payload)
-        seen: Usage | None
-        if flat is not None:
-            start, end, seen = flat
-        else:
-            span = usage_span(payload)
-            if span is None:
-                return payload
-            start, end = span
-            try:
-                usage = json.loads(payload[start + 9 : end])  # after ',"usage":'
-            except ValueError:
-                usage = None
-            seen = _usage(usage) if isinstance(usage, dict) else None
-        if seen is not None:
-            running = self.state.running
-            if running is None:
-                running = self.state.running = RunningUsage()
-            running.prompt_tokens = max(running.prompt_tokens, seen.prompt_tokens)
-            index = _choice_index(payload) if self._n > 1 else 0
-            running.choices[index] = (seen.completion_tokens, seen.reasoning_tokens)
+        """Record the running ``usage`` of one chunk (its bytes, read when the stream settles);
+        the chunk without it unless the client asked for it (the bytes vLLM sends without
+        ``continuous_usage_stats``)."""
+        start = payload.find(_USAGE_KEY)
+        if start < 0:
+            return payload
+        end = _usage_end(payload, start)
+        if end is None:
+            return payload
+        self.state.running_raw[_choice_index(payload) if self._n > 1 else 0] = payload[start:]
         if self._wants_running:
             return payload
         return payload[:start] + payload[end:]
 
 
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
-def _usage(usage: dict[str, Any]) -> Usage:
-    details = usage.get("completion_tokens_details")
-    reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
-    return Usage(
-        prompt_tokens=_int(usage.get("prompt_tokens")),
-        completion_tokens=_int(usage.get("completion_tokens")),
-        reasoning_tokens=_int(reasoning) if reasoning is not None else None,
-    )
-
-
 _USAGE_KEY = b',"usage":{'
+_USAGE_OBJECT = re.compile(
+    rb',"usage":\{(?:[^{}\[\]\\"]|"[^"\\]*"|\{(?:[^{}\[\]\\"]|"[^"\\]*")*\})*\}'
+)
+"""A ``usage`` object as vLLM writes it: counts, and objects of counts one level deep
+(``completion_tokens_details``); strings are skipped whole, so a brace in one is not taken for
+the end. No array and no escape (anything else is read by `usage_span`)."""
 
 
-def _flat_usage(payload: bytes) -> tuple[int, int, Usage] | None:
-    """The running usage of a chunk when it is a flat object of counts (vLLM's form:
-    ``{"prompt_tokens":9,"total_tokens":12,"completion_tokens":3}``): its (start, end) byte
-    offsets and counts, read with a few byte operations instead of a scan and a JSON decode per
-    chunk; None for any other form (`usage_span` then reads it)."""
-    start = payload.find(_USAGE_KEY)
-    if start < 0:
+def _usage_end(payload: bytes, start: int) -> int | None:
+    """The offset just past the ``usage`` object whose key starts at ``start``, or None."""
+    match = _USAGE_OBJECT.match(payload, start)
+    if match is not None:
+        return match.end()
+    span = usage_span(payload[start:])
+    return start + span[1] if span is not None else None
+
+
+def read_usage_tail(raw: bytes) -> EngineUsage | None:
+    """The usage object at the start of ``raw`` (``,"usage":{...}`` and what followed it in
+    its chunk) as `EngineUsage`; None when it cannot be read.
+
+    vLLM's flat object of counts (``{"prompt_tokens":9,"total_tokens":12,"completion_tokens":
+    3}``) is read with a few byte operations; any other form is decoded as JSON.
+    """
+    end = _usage_end(raw, 0)
+    if end is None:
         return None
-    end = payload.find(b"}", start)
-    inner = payload[start + 10 : end]
-    if end < 0 or b"{" in inner or b"[" in inner or b"\\" in inner:
+    inner = raw[len(_USAGE_KEY) : end - 1]
+    if b"{" not in inner and b"[" not in inner and b"\\" not in inner:
+        prompt = completion = 0
+        for pair in inner.split(b","):
+            key, _, value = pair.partition(b":")
+            if not value.isdigit():
+                if value != b"null":
+                    break
+                continue
+            if key == b'"prompt_tokens"':
+                prompt = int(value)
+            elif key == b'"completion_tokens"':
+                completion = int(value)
+        else:
+            return EngineUsage(prompt, completion)
+    try:
+        usage = json.loads(raw[len(_USAGE_KEY) - 1 : end])
+    except ValueError:
         return None
-    prompt = completion = 0
-    for pair in inner.split(b","):
-        key, _, value = pair.partition(b":")
-        if not value.isdigit():
-            if value != b"null":
-                return None
-            continue
-        if key == b'"prompt_tokens"':
-            prompt = int(value)
-        elif key == b'"completion_tokens"':
-            completion = int(value)
-    return start, end + 1, Usage(prompt, completion)
+    return parse_usage(usage)
 
 
 _CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')

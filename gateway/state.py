@@ -9,6 +9,7 @@ context as ``context.call``.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Callable
@@ -20,19 +21,21 @@ from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue, Ticket
 from gateway.answers import AnswerWorker
 from gateway.auth import Authenticator, Principal, revoked_digests
+from gateway.body_memory import BodyHold, BodyMemory
+from gateway.budgets import Budgets, Hold
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
-from gateway.counters import Baseline, Generated, IdleCounters
+from gateway.counters import Baseline, IdleCounters
 from gateway.credentials import KeySet
+from gateway.deadline import Forecaster
 from gateway.dialects import CHAT, Dialect
 from gateway.drain import Drain
 from gateway.engines import Engines
+from gateway.meter import Meter
 from gateway.metrics import Metrics
 from gateway.quarantine import Quarantine
-from gateway.quota import QuotaReservation
 from gateway.ratelimit import RateLimiter, Reservation
 from gateway.reload import Reloader
 from gateway.rewrite import RequestPlan
-from gateway.sse import RunningUsage
 from gateway.upstream import EngineState, Upstream
 
 
@@ -98,129 +101,6 @@ class Caller:
     label: str
 
 
-@dataclass
-class Usage:
-    """The tokens of one model request: the one place they are counted, settled once.
-
-    Filled by the relay from the engine's ``usage`` objects (OpenAI API reference, "The chat
-    completion object"; vLLM's ``continuous_usage_stats``), by `gateway.proxy` from the engine's
-    counters around a request cut short (`gateway.counters`), then made final by `settle`. The
-    quota and rate-limit settles, ``gateway_tokens_total``, the usage ledger and the access log
-    all read the settled counts.
-
-    Attributes:
-        reached_engine: the engine accepted the request (it may have generated tokens).
-        rejected: the engine answered with an error status (it generated nothing).
-        prompt_tokens: the engine's final count; after `settle`, the count charged.
-        completion_tokens: the engine's final count; after `settle`, the count charged.
-        reasoning_tokens: ``completion_tokens_details.reasoning_tokens`` when the engine
-            reports it (a part of ``completion_tokens``), else None.
-        streamed: the engine's running usage of a stream (what was streamed), if any.
-        generated: the engine's counter delta of a request cut short while it held the
-            engine's only slot (what was generated), if measured.
-        streamed_events: content events relayed to the client.
-        source: after `settle`, where the counts came from: ``engine`` (the final usage),
-            ``counters`` (the counter delta), ``streamed`` (the running usage), ``estimate``
-            (prompt estimate or count, one token a content event), ``none`` (never reached
-            the engine), ``rejected`` (refused by the engine with an error status).
-        settled: `settle` ran; the counts are final.
-    """
-
-    reached_engine: bool = False
-    rejected: bool = False
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    reasoning_tokens: int | None = None
-    streamed: RunningUsage | None = None
-    generated: Generated | None = None
-    streamed_events: int = 0
-    source: str | None = None
-    settled: bool = False
-
-    @property
-    def cut(self) -> bool:
-        """The engine took the request and no final usage came: it was cut short."""
-        return (
-            self.reached_engine
-            and not self.rejected
-            and (self.prompt_tokens is None or self.completion_tokens is None)
-        )
-
-    def engine_prompt(self, sequences: int = 1) -> int | None:
-        """The engine's own prompt count, when known: the final usage's, the streamed
-        running usage's, or the counter delta's (one sequence only: vLLM counts the prompt once
-        per sequence)."""
-        if not self.cut:
-            return self.prompt_tokens
-        if self.streamed is not None and self.streamed.prompt_tokens > 0:
-            return self.streamed.prompt_tokens
-        generated = self.generated
-        if generated is not None and sequences == 1 and generated.prompt_tokens > 0:
-            return generated.prompt_tokens
-        return None
-
-    def completion_so_far(self) -> int:
-        """The completion tokens a cut request is known to have cost before `settle`."""
-        if self.generated is not None:
-            return self.generated.completion_tokens
-        if self.streamed is not None:
-            return self.streamed.completion_tokens
-        return self.streamed_events
-
-    def settle(self, prompt_estimate: int, sequences: int = 1) -> tuple[int, int]:
-        """Make the counts final (once; later calls return the same); returns (prompt,
-        completion) tokens to charge.
-
-        A request that never reached the engine, or that the engine refused with an error
-        status, costs nothing; a complete one its final usage.
-        One cut short is charged, completion: the engine's counter delta when measured and at
-        least what was streamed, else the streamed running usage (an undercharge bounded by
-        what the engine generated after the last streamed chunk), else one token per content
-        event; prompt: the engine's streamed count, else the counter delta (one sequence: vLLM
-        counts the prompt once per sequence), else a count or the estimate already set in
-        ``prompt_tokens``, else ``prompt_estimate``.
-        """
-        if self.settled:
-            return self.prompt_tokens or 0, self.completion_tokens or 0
-        if not self.reached_engine:
-            self.prompt_tokens, self.completion_tokens, self.source = 0, 0, "none"
-        elif self.rejected:
-            # The engine refused it before any prefill (its 4xx/5xx status came first): no
-            # token was computed, whatever the prompt's size (an over-long prompt included).
-            self.prompt_tokens, self.completion_tokens, self.source = 0, 0, "rejected"
-        elif not self.cut:
-            self.source = "engine"
-            if self.prompt_tokens is None:
-                self.prompt_tokens = prompt_estimate
-            if self.completion_tokens is None:
-                self.completion_tokens = 0
-        else:
-            self._settle_cut(prompt_estimate, sequences)
-        self.settled = True
-        return self.prompt_tokens or 0, self.completion_tokens or 0
-
-    def _settle_cut(self, prompt_estimate: int, sequences: int) -> None:
-        streamed, generated = self.streamed, self.generated
-        streamed_completion = streamed.completion_tokens if streamed is not None else 0
-        if generated is not None and generated.completion_tokens < streamed_completion:
-            generated = self.generated = None  # not this request's counts
-        prompt = self.engine_prompt(sequences)
-        if streamed is not None:
-            self.reasoning_tokens = streamed.reasoning_tokens
-        if generated is not None:
-            self.source = "counters"
-            self.completion_tokens = generated.completion_tokens
-        elif streamed is not None:
-            self.source = "streamed"
-            self.completion_tokens = streamed_completion
-        else:
-            self.source = "estimate"
-            self.completion_tokens = self.streamed_events
-        if prompt is None:
-            prompt = self.prompt_tokens if self.prompt_tokens is not None else prompt_estimate
-        self.prompt_tokens = prompt
-
-
 @dataclass(eq=False)
 class RequestContext:
     """One HTTP request's facts for the access log and request metrics (every route).
@@ -275,9 +155,10 @@ class ModelCall:
         caller: the authenticated caller (the same as ``context.caller``).
         dialect: the client API this request speaks.
         plan: the engine request and its facts, once the body was planned.
-        quota: the daily/monthly quota reservation, once taken.
-        reservation: the rate-limit reservation, once taken.
+        hold: what the call holds against its tenant's budgets (`gateway.budgets`), once taken.
         ticket: the admission ticket, once queued.
+        body_hold: the memory its body holds (`gateway.body_memory`), once reading began;
+            released when the request is finished.
         usage: the token counts.
         queued_s: seconds waited in the admission queue, once granted.
         engine_request_id: the id the engine gets (body ``request_id`` and ``X-Request-Id``),
@@ -289,26 +170,36 @@ class ModelCall:
         fingerprint: the engine body's quarantine fingerprint (`gateway.quarantine`), or None
             while the quarantine is off.
         baseline: the engine's counters read just before the request was sent, taken only
-            while it holds the engine's only slot (`gateway.counters`); None otherwise.
+            while it holds the engine's only slot (`gateway.counters`), or a reading of them
+            under way since before it was sent (a future of the same); None otherwise.
         session: the request's session (`gateway.affinity.Affinity.digest`), or None.
         engine: the name of the engine the request was last sent to, once sent.
+        background: the request said it is background work (`gateway.waiting.background_request`).
+        attaches: other connections served from this request's generation (`gateway.retries`).
     """
 
     context: RequestContext
     caller: Caller
     dialect: Dialect
     plan: RequestPlan | None = None
-    quota: QuotaReservation | None = None
-    reservation: Reservation | None = None
+    hold: Hold | None = None
     ticket: Ticket | None = None
-    usage: Usage = field(default_factory=Usage)
+    body_hold: BodyHold | None = None
+    usage: Meter = field(default_factory=Meter)
     queued_s: float | None = None
     ttft_s: float | None = None
     fingerprint: str | None = None
     engine_request_id: str = ""
-    baseline: Baseline | None = None
+    baseline: Baseline | asyncio.Future[Baseline | None] | None = None
     session: bytes | None = None
     engine: str | None = None
+    background: bool = False
+    attaches: int = 0
+
+    @property
+    def reservation(self) -> Reservation | None:
+        """The rate-limit part of ``hold`` (its headers go on the answer), once taken."""
+        return self.hold.rate if self.hold is not None else None
 
     @property
     def live(self) -> Live:
@@ -331,8 +222,11 @@ ENGINES = web.AppKey("engines", Engines)
 IDLE_COUNTERS = web.AppKey("idle_counters", IdleCounters)
 ANSWER_WORKER = web.AppKey("answer_worker", AnswerWorker)
 LIMITER = web.AppKey("limiter", RateLimiter)
+BUDGETS = web.AppKey("budgets", Budgets)
 ACCOUNTING = web.AppKey("accounting", Accounting)
 ADMISSION = web.AppKey("admission", AdmissionQueue)
+BODY_MEMORY = web.AppKey("body_memory", BodyMemory)
+FORECASTER = web.AppKey("forecaster", Forecaster)
 QUARANTINE = web.AppKey("quarantine", Quarantine)
 RELOADER = web.AppKey("reloader", Reloader)
 CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")

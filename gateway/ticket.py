@@ -30,6 +30,7 @@ class Ticket:
         "_queue",
         "_state",
         "avoid",
+        "background",
         "behind_own",
         "cost",
         "engine",
@@ -64,6 +65,7 @@ class Ticket:
         self.seq = seq
         self.start = 0.0
         self.behind_own = False
+        self.background = False
         self.enqueued_at = enqueued_at
         self.granted_at: float | None = None
         # The engine holding the request's session (affinity), engines it must not go to, and

@@ -4,33 +4,40 @@ Everything the gateway knows about talking to the engine lives here: `Upstream` 
 and returns an `UpstreamAnswer` (its chunks, its body, abort, release); every aiohttp client
 failure is translated here into a `gateway.errors.UpstreamError` and counted once in
 ``gateway_upstream_errors_total`` (labelled with the error's ``kind``); a non-200 answer becomes
-its error by `engine_error`. The engine's state (`EngineState`) lives here too; the tasks that
-watch it (the health poller, the drift check) are in `gateway.engine_watch`.
+its error by `engine_error`. The engine's state is `gateway.engine_state.EngineState`; the tasks
+that watch it (the health poller, the drift check) are in `gateway.engine_watch`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import fcntl
 import json
 import re
+import struct
+import termios
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+import weakref
+from collections.abc import Sequence
+from socket import AF_UNIX
+from typing import Any
 
 import aiohttp
 import structlog
+from aiohttp.connector import Connection
+from aiohttp.tracing import Trace
 
 from gateway.config import EngineSettings, EngineSpec
+from gateway.engine_state import EngineState as EngineState
+from gateway.engine_state import EngineStatus as EngineStatus
 from gateway.errors import (
-    RETRY_AFTER_DOWN_S,
-    RETRY_AFTER_STARTING_S,
     EngineAnswerTooLarge,
     EngineBadResponse,
     EngineBusy,
     EngineDisconnected,
     EngineFailed,
     EngineRejected,
-    EngineUnavailable,
     EngineUnreachable,
     GatewayError,
     GatewayTimeout,
@@ -42,7 +49,6 @@ from gateway.metrics import Metrics
 log = structlog.get_logger("gateway.upstream")
 events = structlog.get_logger("gateway")
 
-EngineStatus = Literal["starting", "warming", "ready", "down"]
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
 REFUSED = "connection refused"
 """Probe reason: the socket is missing or refuses connections (the engine process is gone)."""
@@ -62,88 +68,44 @@ def proves_down(reason: str | None) -> bool:
     return reason == REFUSED or (reason or "").startswith("health status ")
 
 
-class EngineState:
-    """The engine's health as the poller last saw it (one engine's, or the fleet's).
+SENDING: contextvars.ContextVar[list[Connection] | None] = contextvars.ContextVar(
+    "qwen38_sending", default=None
+)
+"""When set to a list, each engine connection a POST of this context takes is appended to it."""
 
-    ``name``: the engine's name (its transitions are logged with it and set
-    ``gateway_engine_status{engine}``); None for the fleet's state, which sets
-    ``gateway_engine_up``/``gateway_engine_ready`` and with ``quiet`` logs nothing (its engines
-    log their own transitions).
 
-    States: ``starting`` (never answered yet), ``warming`` (answers ``/health`` but the launcher
-    has not finished the warm-up request: ``engine.ready_file`` configured and absent),
-    ``ready``, ``down`` (answered before and now proved down: `poll_health` gives the rule).
+class _UnixConnector(aiohttp.UnixConnector):
+    """The engine socket's connector, recording each connection it hands out in `SENDING`."""
+
+    async def connect(
+        self, req: aiohttp.ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
+    ) -> Connection:
+        connection = await super().connect(req, traces, timeout)
+        held = SENDING.get()
+        if held is not None:
+            held.append(connection)
+        return connection
+
+
+def unread_bytes(connections: Sequence[Connection]) -> int | None:
+    """Bytes sent on ``connections`` (Unix sockets) that the engine has not read yet, or None
+    when unknown (no connection yet, closed, not a Unix socket).
+
+    Linux's ``SIOCOUTQ`` (``TIOCOUTQ``, unix(7)) of a Unix stream socket counts the data still
+    queued at the peer: a stopped engine leaves its request there; a live one reads it at once,
+    even while it is busy generating.
     """
-
-    def __init__(
-        self,
-        metrics: Metrics,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        name: str | None = None,
-        quiet: bool = False,
-    ) -> None:
-        self.status: EngineStatus = "starting"
-        self.since = clock()
-        self.name = name
-        self._quiet = quiet
-        self._clock = clock
-        self._metrics = metrics
-        self._ready = asyncio.Event()
-        # Called with (previous, new) status on every transition (the quarantine's deaths).
-        self.listeners: list[Callable[[EngineStatus, EngineStatus], None]] = []
-        self._gauges(0, 0)
-
-    def _gauges(self, up: int, ready: int) -> None:
-        """The fleet's (``name`` None: ``gateway_engine_up``/``_ready``) or one engine's
-        (``gateway_engine_status{engine}``) gauges."""
-        if self.name is None:
-            self._metrics.engine_up.set(up)
-            self._metrics.engine_ready.set(ready)
-        else:
-            self._metrics.engine_available.labels(self.name).set(ready)
-
-    @property
-    def ready(self) -> bool:
-        """True when model requests may be sent."""
-        return self.status == "ready"
-
-    def set(self, status: EngineStatus, error: str | None = None) -> None:
-        """Record a probe result; logs transitions (``engine_up``/``engine_down`` events)."""
-        if status == self.status:
-            return
-        previous, self.status, self.since = self.status, status, self._clock()
-        self._gauges(1 if status in ("ready", "warming") else 0, 1 if status == "ready" else 0)
-        named = {"engine": self.name} if self.name is not None else {}
-        if status == "ready":
-            self._ready.set()
-            if not self._quiet:
-                log.info("engine_up", previous=previous, **named)
-        else:
-            self._ready.clear()
-            event = "engine_down" if status == "down" else f"engine_{status}"
-            if not self._quiet:
-                log.warning(event, error=error, **named)
-        for listener in self.listeners:
-            listener(previous, status)
-
-    def unavailable(self) -> EngineUnavailable:
-        """The 503 to answer while the engine is not ready."""
-        retry = RETRY_AFTER_DOWN_S if self.status == "down" else RETRY_AFTER_STARTING_S
-        return EngineUnavailable(
-            f"The model is not available right now (engine {self.status}). Retry later.",
-            retry_after_s=retry,
-        )
-
-    async def wait_ready(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the ready state; True if reached."""
-        if self.ready:
-            return True
+    for connection in reversed(connections):
+        transport = connection.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None or sock.family != AF_UNIX:
+            return None
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
+            raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        except OSError:
+            return None
+        return int(struct.unpack("i", raw)[0])
+    return None
 
 
 class Upstream:
@@ -151,7 +113,9 @@ class Upstream:
 
     Idle pooled connections are closed after ``pool_idle_s`` (below the engine's 5 s keep-alive);
     there is no total timeout (thinking answers run for many minutes), only ``connect_timeout_s``
-    and ``read_timeout_s`` between two reads.
+    and ``read_timeout_s`` between two reads. ``progress_at`` is the engine's last sign of life
+    (`time.monotonic`): a probe answered, or any byte of any answer (the failover rule of
+    `gateway.engine_watch.poll_health`); ``answers`` the answers still open.
     """
 
     def __init__(
@@ -160,6 +124,8 @@ class Upstream:
         self.settings = settings
         self._metrics = metrics
         self.name = spec.name if spec is not None else "default"
+        self.progress_at = float("-inf")
+        self.answers: weakref.WeakSet[UpstreamAnswer] = weakref.WeakSet()  # not ended yet
         connector: aiohttp.BaseConnector
         if spec is not None and spec.url:
             # An engine on another host: TLS with the system's trust store and host-name check.
@@ -168,9 +134,7 @@ class Upstream:
         else:
             self.base = "http://engine"
             socket = spec.socket if spec is not None else settings.socket
-            connector = aiohttp.UnixConnector(
-                path=socket, keepalive_timeout=settings.pool_idle_s, limit=0
-            )
+            connector = _UnixConnector(path=socket, keepalive_timeout=settings.pool_idle_s, limit=0)
         self.session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(
@@ -241,7 +205,10 @@ class Upstream:
             gone = status == "down" and proves_down(reason)
             error = EngineUnreachable(sent=True) if gone else EngineDisconnected()
             raise self.failed(error, exc) from exc
-        return UpstreamAnswer(self, response)
+        self.progress_at = time.monotonic()
+        answer = UpstreamAnswer(self, response)
+        self.answers.add(answer)
+        return answer
 
     async def count_prompt(self, body: bytes, timeout: float) -> int | None:
         """The engine's own prompt token count of an engine request body, or None.
@@ -296,6 +263,7 @@ class Upstream:
                 f"{self.base}/health", timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 await resp.read()
+                self.progress_at = time.monotonic()
                 if resp.status == 200:
                     return "ready", None
                 return "down", f"health status {resp.status}"
@@ -329,7 +297,7 @@ class UpstreamAnswer:
     already counted.
     """
 
-    __slots__ = ("_content", "_response", "_upstream", "broken", "status")
+    __slots__ = ("__weakref__", "_content", "_response", "_upstream", "broken", "status")
 
     def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
         self._upstream = upstream
@@ -358,6 +326,7 @@ class UpstreamAnswer:
             raise self._upstream.failed(EngineDisconnected(), exc) from exc
         if not data:
             raise StopAsyncIteration
+        self._upstream.progress_at = time.monotonic()
         return data
 
     def chunks(self) -> UpstreamAnswer:
@@ -394,6 +363,7 @@ class UpstreamAnswer:
                 if not data:
                     return parts
                 size += len(data)
+                self._upstream.progress_at = time.monotonic()
                 if size > limit:
                     raise self._upstream.failed(EngineAnswerTooLarge("answer", limit))
                 parts.append(data)
@@ -425,10 +395,13 @@ class UpstreamAnswer:
 
     def release(self) -> None:
         """The body was read to its end: return the connection to the pool."""
+        self._upstream.answers.discard(self)
         self._response.release()
 
     def abort(self) -> None:
-        """Close the connection: the engine aborts the generation (case C10)."""
+        """Close the connection: the engine aborts the generation (case C10); a read waiting on
+        it fails (`EngineDisconnected`)."""
+        self._upstream.answers.discard(self)
         self._response.close()
 
 

@@ -28,8 +28,14 @@ KEY_C = "sk-q38-testCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 
 # The `engine` fixture (real vLLM and the simulator, started by the launcher) and its markers;
 # the layers (`fast`, `slow`) and the grouping of files under pytest-xdist.
-# pytester runs pytest in-process on generated files (tests/test_layers.py).
-pytest_plugins = ("tests.layers", "tests.realengine.fixtures", "pytester")
+# pytester runs pytest in-process on generated files (tests/test_layers.py); the live deployment
+# tests' session fixtures (Docker, root filesystems, the image: tests/deploylive_fixtures.py).
+pytest_plugins = (
+    "tests.layers",
+    "tests.realengine.fixtures",
+    "pytester",
+    "tests.deploylive_fixtures",
+)
 
 
 def free_port() -> int:
@@ -160,6 +166,20 @@ class Gateway:
 
     def url(self, path: str) -> str:
         return self.base_url + path
+
+    def read_through(self, key: str, body: dict[str, Any], timeout: float) -> int:
+        """POST ``body`` to chat completions with ``key`` and read the answer to its end, as a
+        client holding the engine would; returns the status."""
+        with httpx.stream(
+            "POST",
+            self.url("/v1/chat/completions"),
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=timeout,
+        ) as r:
+            for _ in r.iter_bytes():
+                pass
+            return r.status_code
 
 
 @pytest.fixture

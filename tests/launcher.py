@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -11,10 +10,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.procgroup import ProcessGroup
 from tests.conftest import REPO, to_toml, wait_until
 
 # Short timings so hangs and stops resolve in seconds (DESIGN section 8 keys).
@@ -81,7 +81,6 @@ class Launcher:
     log_path: Path
     notify: NotifyListener
     socket: str
-    engine_pids: list[int] = field(default_factory=list)
 
     def logs(self) -> list[dict[str, Any]]:
         """The launcher's JSON log lines (component ``launcher``), parsed."""
@@ -109,9 +108,7 @@ class Launcher:
         return found[0]
 
     def engine_pid(self) -> int:
-        pid = int(self.event("spawn")["pid"])
-        self.engine_pids.append(pid)
-        return pid
+        return int(self.event("spawn")["pid"])
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)
@@ -189,11 +186,18 @@ class Launchers:
                 except subprocess.TimeoutExpired:
                     launcher.proc.kill()
                     launcher.proc.wait(10)
-            spawned = {int(e["pid"]) for e in launcher.logs() if e.get("event") == "spawn"}
-            for pid in spawned | set(launcher.engine_pids):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
+            # Only groups still led by the engine the launcher spawned (or by nobody): a pid
+            # reused since by another test's process group is left alone (engine/procgroup.py).
+            for group in engine_groups(launcher.logs()):
+                group.signal(signal.SIGKILL)
             launcher.notify.close()
+
+
+def engine_groups(logs: list[dict[str, Any]]) -> list[ProcessGroup]:
+    """The engine process groups a launcher's ``spawn`` events name, with their start times."""
+    return [
+        ProcessGroup(int(e["pid"]), e.get("start_ticks")) for e in logs if e.get("event") == "spawn"
+    ]
 
 
 def read_json(path: Path) -> dict[str, Any]:

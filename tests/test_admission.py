@@ -426,3 +426,54 @@ async def test_close_fails_waiters_and_later_requests(metrics: Metrics) -> None:
     running.release(10)
     assert queue.in_flight == 0
     assert metrics.registry.get_sample_value("gateway_queue_depth") == 0
+
+
+async def test_background_waits_behind_its_own_tenants_interactive_requests(
+    metrics: Metrics,
+) -> None:
+    """A tenant's background request (a chat UI's title) is served after that tenant's later
+    interactive request, in order among its background ones; another tenant's order is unchanged."""
+    queue = queue_of(metrics)
+    running = queue.enqueue("x", 1.0, 100)
+    title = queue.enqueue("a", 1.0, 100, background=True)
+    tags = queue.enqueue("a", 1.0, 100, background=True)
+    answer = queue.enqueue("a", 1.0, 100)
+    other = queue.enqueue("b", 1.0, 100)
+    order = []
+    current = running
+    for _ in range(4):
+        current.release()
+        current = next(t for t in (title, tags, answer, other) if t.granted)
+        order.append(current)
+    current.release()
+    assert order.index(answer) < order.index(title) < order.index(tags)
+    assert order[0] is answer and other in order[:2]
+    assert queue.depth == 0 and queue.in_flight == 0
+
+
+async def test_a_cancelled_background_waiter_leaves_no_trace(metrics: Metrics) -> None:
+    """Background waiters cancelled or released while queued leave depth and lines empty."""
+    queue = queue_of(metrics)
+    running = queue.enqueue("x", 1.0, 100)
+    titles = []
+    for _ in range(200):
+        titles.append(queue.enqueue("a", 1.0, 100, background=True))
+        if len(titles) > 1:
+            titles[-2].release()
+    answer = queue.enqueue("a", 1.0, 100)
+    assert queue.depth == 2
+    running.release()
+    assert answer.granted and not titles[-1].granted
+    answer.release()
+    assert titles[-1].granted
+    titles[-1].release()
+    assert queue.depth == 0 and queue.in_flight == 0
+
+
+@pytest.mark.parametrize("tier", [[], {}, ["flex"], 5, None, "flex", "default"])
+def test_background_signal_takes_any_json_service_tier(tier: object) -> None:
+    """``service_tier`` of any JSON type is read without error; only the string "flex" marks
+    background work (a list or object there once answered 500)."""
+    from gateway.waiting import background_request
+
+    assert background_request({}, {"service_tier": tier}) is (tier == "flex")

@@ -332,6 +332,44 @@ def test_connections_with_incomplete_requests_are_closed(sim_factory, gateway_fa
             sock.close()
 
 
+@pytest.mark.parametrize("route", [CHAT, "/v1/messages", "/v1/responses"])
+def test_client_that_breaks_off_its_upload_is_a_499_not_a_500(stack: Gateway, route: str) -> None:
+    """A client that closes its connection mid-body is logged 499 client_disconnect, no 500,
+    no traceback, and the engine slot stays free for the next request."""
+    host, port = stack.base_url.removeprefix("http://").split(":")
+    request_id = f"adv-cut-upload-{time.monotonic_ns()}"
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(
+        f"POST {route} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"X-Request-Id: {request_id}\r\nContent-Type: application/json\r\n"
+        "Content-Length: 1000\r\n\r\n".encode()
+        + b'{"messages"'
+    )
+    time.sleep(0.5)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()  # SO_LINGER 0: a reset, as a client killed mid-upload sends
+
+    def line() -> dict[str, Any] | None:
+        found = [entry for entry in stack.access_logs() if entry.get("request_id") == request_id]
+        return found[0] if found else None
+
+    deadline = time.monotonic() + 10
+    while line() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    entry = line()
+    assert entry is not None, "no access line for the cut upload"
+    assert entry["status"] == 499, entry
+    assert entry.get("reason") == "client_disconnect", entry
+    assert not [e for e in stack.logs() if e.get("event") == "unhandled_error"]
+    answer = httpx.post(
+        stack.url(CHAT),
+        headers=auth(),
+        json={"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text[:300]
+
+
 # ------------------------------------------------------------------------- engine behaviour
 
 

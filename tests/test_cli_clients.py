@@ -94,7 +94,7 @@ trace_exporter = "none"
 
 
 def run_claude(
-    binary: str, gw: Gateway, workdir: Path, prompt: str
+    binary: str, gw: Gateway, workdir: Path, prompt: str, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
     """``claude -p`` with the README's environment (offline switches included)."""
     home = workdir / "claude-home"
@@ -117,13 +117,13 @@ def run_claude(
         cwd=workdir,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
 
 
 def run_codex(
-    binary: str, gw: Gateway, workdir: Path, prompt: str
+    binary: str, gw: Gateway, workdir: Path, prompt: str, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
     """``codex exec`` with the README's ``config.toml``."""
     codex_home = workdir / "codex-home"
@@ -143,7 +143,7 @@ def run_codex(
         cwd=project,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
 

@@ -255,6 +255,10 @@ def _one_weather_call(calls: list[tuple[str, str, str]]) -> None:
 
 
 # tool_choice -> the finish_reason OpenAI (and vLLM) report: a forced named function is "stop".
+# An explicit output budget: the gateway's default (context minus a bytes/3 prompt estimate) can
+# exceed an 8,192-token context when an engine counts tool schemas more densely than the
+# estimate (the simulator counts each punctuation mark of a schema as a token).
+TOOL_TURN_MAX_TOKENS = 512
 TOOL_CHOICES = {
     "auto": ("auto", "tool_calls"),
     "required": ("required", "tool_calls"),
@@ -270,6 +274,7 @@ def test_tool_call_non_stream(engine_gateway: Gateway, choice: str) -> None:
         model=ALIAS,
         messages=WEATHER,
         tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=TOOL_TURN_MAX_TOKENS,
         tool_choice=tool_choice,  # type: ignore[arg-type]
         extra_body=THINKING_OFF,
     )
@@ -289,6 +294,7 @@ def test_tool_call_stream(engine_gateway: Gateway, choice: str) -> None:
             model=ALIAS,
             messages=WEATHER,
             tools=TOOLS,  # type: ignore[arg-type]
+            max_tokens=TOOL_TURN_MAX_TOKENS,
             tool_choice=tool_choice,  # type: ignore[arg-type]
             stream=True,
         )
@@ -306,6 +312,7 @@ def test_tool_round_trip_ends_in_an_answer(engine_gateway: Gateway) -> None:
         model=ALIAS,
         messages=WEATHER,
         tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=TOOL_TURN_MAX_TOKENS,
         extra_body=THINKING_OFF,
     )
     call = (first.choices[0].message.tool_calls or [None])[0]
@@ -319,6 +326,7 @@ def test_tool_round_trip_ends_in_an_answer(engine_gateway: Gateway) -> None:
         model=ALIAS,
         messages=messages,
         tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=TOOL_TURN_MAX_TOKENS,
         extra_body=THINKING_OFF,
     )
     answer = second.choices[0]

@@ -41,7 +41,7 @@ COMMAND_FILES = (*SHELL_SCRIPTS, DOCKERFILE, *UNITS.values(), ETC / "units.env.e
 # What install.sh needs on PATH in DESTDIR mode, without qwen38-gateway (python3 fallback).
 INSTALL_TOOLS = (
     "bash", "dirname", "install", "cmp", "ln", "find", "sed", "tail", "awk", "chmod", "mv",
-    "mktemp", "od", "tr", "rm", "getent", "id", "python3",
+    "mktemp", "od", "tr", "rm", "getent", "id", "python3", "readlink",
 )  # fmt: skip
 TIMEOUT = 60
 
@@ -139,19 +139,19 @@ def secret_exposures(text: str) -> list[str]:
     return found
 
 
-def tree(root: Path) -> dict[str, tuple[str, int, str]]:
-    """Every path under root -> (kind, permission bits, content digest or link target)."""
-    out: dict[str, tuple[str, int, str]] = {}
+def tree(root: Path) -> dict[str, tuple[str, int, str, int]]:
+    """Every path under root -> (kind, permission bits, content digest or link target, mtime ns)."""
+    out: dict[str, tuple[str, int, str, int]] = {}
     for path in sorted(root.rglob("*")):
         info = path.lstat()
         rel = str(path.relative_to(root))
         if stat.S_ISLNK(info.st_mode):
-            out[rel] = ("link", 0, os.readlink(path))
+            out[rel] = ("link", 0, os.readlink(path), info.st_mtime_ns)
         elif stat.S_ISDIR(info.st_mode):
-            out[rel] = ("dir", stat.S_IMODE(info.st_mode), "")
+            out[rel] = ("dir", stat.S_IMODE(info.st_mode), "", info.st_mtime_ns)
         else:
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            out[rel] = ("file", stat.S_IMODE(info.st_mode), digest)
+            out[rel] = ("file", stat.S_IMODE(info.st_mode), digest, info.st_mtime_ns)
     return out
 
 
@@ -432,11 +432,18 @@ def test_gateway_unit_publishes_8000_mounts_config_directory_and_reloads_with_si
 
 
 def test_units_wait_for_the_container_health_check() -> None:
-    """ExecStartPost waits for Docker's health status of the unit's own container."""
-    for role, path in UNITS.items():
+    """ExecStartPost waits for Docker's health status of the unit's own container, and only while
+    the main process (`docker run`) lives, so a start that fails at once fails the unit at once
+    (tests/test_deploy_live_systemd.py runs it)."""
+    template = DEPLOY / "systemd" / "qwen38-engine@.service"
+    for name, path in [
+        *((f"qwen38-{r}", p) for r, p in UNITS.items()),
+        ("qwen38-engine-%i", template),
+    ]:
         (post,) = parse_unit(path)["Service"]["ExecStartPost"]
         assert post.startswith("/bin/sh -c '")
-        assert f"qwen38-{role}" in post and "State.Health.Status" in post
+        assert f"{name} " in post and "State.Health.Status" in post
+        assert 'while kill -0 "$$MAINPID"' in post and post.endswith("exit 1'")
 
 
 def test_unit_variables_are_all_defined_in_units_env_example() -> None:
@@ -523,7 +530,8 @@ def test_units_and_wrappers_pass_no_environment_to_containers() -> None:
 
 
 def test_destdir_install_lays_files_and_prints_the_first_key_once(tmp_path: Path) -> None:
-    """DESTDIR install twice: same tree, keys file 0600 with the printed key, secret printed once."""
+    """DESTDIR install twice: same tree (times included), keys file 0600 with the printed key,
+    secret printed once."""
     destdir = tmp_path / "root"
     path = restricted_path(tmp_path / "bin")
     first = install(destdir, path)
@@ -766,3 +774,27 @@ def test_example_configs_list_every_setting_the_loaders_accept() -> None:
         for key in checks
     }
     assert not sorted(accepted - shown), f"engine.toml lacks {sorted(accepted - shown)}"
+
+
+def test_live_deployment_files_skip_with_one_line_without_nspawn(tmp_path: Path) -> None:
+    """On a host without systemd-nspawn (an empty PATH here) each live deployment file skips
+    with one line naming what is missing and the package that brings it; nothing else runs."""
+    env = {k: v for k, v in os.environ.items() if k != "QWEN38_DEPLOY_LIVE"}
+    env["PATH"] = str(tmp_path)  # no tools at all
+    files = ["tests/test_deploy_live_image.py", "tests/test_deploy_live_systemd.py"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    # 5: pytest's "no tests collected", both files being skipped whole (.ci/steps/deploy-live.sh
+    # counts it as a pass)
+    assert done.returncode == 5, done.stdout + done.stderr
+    skipped = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    if os.geteuid() != 0:
+        needs = "not root: systemd-nspawn, mmdebstrap and dockerd need root"
+    else:
+        needs = "no systemd-nspawn: apt-get install -y --no-install-recommends systemd-container"
+    assert [line.split(": ", 1)[1] for line in skipped] == [
+        f"live deployment tests need a root host with cgroups and nspawn: {needs}"
+    ] * 2, done.stdout
+    assert "2 skipped" in done.stdout

@@ -296,6 +296,26 @@ def test_a_messages_request_without_model_is_for_the_served_model() -> None:
             {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": 5}]},
             "messages.0.content",
         ),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "temperature": 5},
+            "temperature",
+        ),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "top_p": -0.5},
+            "top_p",
+        ),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "metadata": [1]},
+            "metadata",
+        ),
+        (
+            {
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "x"}],
+                "metadata": {"user_id": [1]},
+            },
+            "metadata.user_id",
+        ),
     ],
 )
 def test_bad_messages_requests_name_the_parameter(body: dict[str, Any], param: str) -> None:
@@ -511,3 +531,31 @@ def test_responses_store_settings() -> None:
     )
     with pytest.raises(ConfigError):
         parse_settings({"responses": {"store_max_items": 0}})
+
+
+def test_system_messages_alone_are_refused_saying_so() -> None:
+    """A Messages body with only a system-role message is a 400 that says a user or assistant
+    message is needed, not that the list is empty."""
+    body = {"max_tokens": 5, "messages": [{"role": "system", "content": "be brief"}]}
+    with pytest.raises(BadRequest) as info:
+        translate_messages(body, max_model_len=CTX)
+    assert "user or assistant" in str(info.value) and "system" in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_huge_output_limit_is_refused_without_quoting_it_whole(field: str) -> None:
+    """A 35-digit output limit is a 400 naming the field that quotes no more than 15
+    characters of the value (errors quote short prefixes only)."""
+    settings = parse_settings({})
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}], field: 10**35 - 1}
+    with pytest.raises(BadRequest) as info:
+        plan_request(
+            body,
+            "chat",
+            settings=settings,
+            tenant=settings.tenant("default"),
+            request_id="r",
+            salt_secret=b"s",
+        )
+    assert info.value.param == field
+    assert "9" * 16 not in str(info.value)

@@ -85,9 +85,12 @@ def test_tpm_limit_in_each_dialect_shape(sim_factory: Any, gateway_factory: Any)
     gw = gateway_factory(
         sim_factory("--completion-tokens", "3"), {"tenants": {"acme": {"tpm": 600}}}
     )
-    first = httpx.post(gw.url(MESSAGES), headers=auth(KEY_A), json=messages_body(max_tokens=500))
+    first = httpx.post(
+        gw.url(MESSAGES), headers=auth(KEY_A), json=messages_body("x" * 1600, max_tokens=150)
+    )
     assert first.status_code == 200
-    # ~11 tokens were charged; 11 + 585 fits an empty budget of 600 but not what is left.
+    # ~410 tokens were charged (drained at 10 a second); 11 + 585 fits an empty budget of 600
+    # but not what is left, also after the engine's exact count of the prompt is asked.
     refused = httpx.post(gw.url(MESSAGES), headers=auth(KEY_A), json=messages_body(max_tokens=585))
     assert refused.status_code == 429
     assert refused.json()["error"]["type"] == "rate_limit_error"

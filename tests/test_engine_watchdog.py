@@ -296,15 +296,16 @@ def test_gateway_exports_the_status_file_with_the_contract_types(workdir: Path) 
     writer.record_restart("unhealthy", "no healthy /health answer")
     writer.update(state="ready")
     registry = CollectorRegistry()
-    registry.register(LauncherStatusCollector(lambda: str(path)))
+    registry.register(LauncherStatusCollector(lambda: [("default", str(path))]))
     text = generate_latest(registry).decode()
     declared = dict(line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
     for family, (kind, _labels) in CONTRACT_METRICS.items():
         if family.startswith("qwen38_engine_"):
             assert declared[family] == kind, family
-    progress = {s.name: s for f in registry.collect() for s in f.samples if not s.labels}
+    progress = {s.name: s for f in registry.collect() for s in f.samples}
     assert progress["qwen38_engine_stalled_seconds"].value == 12.5
-    assert 'qwen38_engine_restarts_total{reason="unhealthy"} 1.0' in text
-    assert 'qwen38_engine_launcher_state{state="ready"} 1.0' in text
+    assert progress["qwen38_engine_stalled_seconds"].labels == {"engine": "default"}
+    assert 'qwen38_engine_restarts_total{engine="default",reason="unhealthy"} 1.0' in text
+    assert 'qwen38_engine_launcher_state{engine="default",state="ready"} 1.0' in text
     path.write_text("{not json")
     assert "qwen38_engine" not in generate_latest(registry).decode()

@@ -339,4 +339,4 @@ def test_the_ledger_records_the_engine_and_migrates_an_old_file(tmp_path: Path) 
     rows = sqlite3.connect(path).execute("SELECT request_id, engine FROM usage ORDER BY ts")
     assert rows.fetchall() == [("old", None), ("new", "gpu1")]
     version = sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0]
-    assert version == SCHEMA_VERSION == 3
+    assert version == SCHEMA_VERSION == 4

@@ -204,13 +204,14 @@ def test_timetable_sums_each_file_from_junit(tmp_path: Path) -> None:
 
 
 def test_ci_run_and_its_setup_scripts_pass_shellcheck() -> None:
-    """.ci/run and every .ci/setup.d script pass shellcheck (skipped without it)."""
+    """.ci/run and every .ci/setup.d and .ci/steps script pass shellcheck (skipped without it)."""
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck not installed (apt-get install shellcheck; .ci/run installs it)")
     scripts = [
         str(REPO / ".ci" / "run"),
         *map(str, sorted((REPO / ".ci" / "setup.d").glob("*.sh"))),
+        *map(str, sorted((REPO / ".ci" / "steps").glob("*.sh"))),
     ]
     done = subprocess.run(
         [shellcheck, "-x", *scripts], capture_output=True, text=True, timeout=60, cwd=REPO

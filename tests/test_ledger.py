@@ -231,3 +231,43 @@ def test_kill_9_loses_at_most_the_last_second(workdir: Path) -> None:
     assert all(ts > killed_at - LOSS_BOUND_S for ts in lost.values()), json.dumps(
         {"lost": len(lost), "oldest_lost_age_s": killed_at - min(lost.values())}
     )
+
+
+def test_a_hanging_write_keeps_at_most_max_pending_and_counts_what_it_drops(
+    workdir: Path, metrics: Metrics
+) -> None:
+    """While the writer hangs in a write (another process holds the file's write lock, so
+    SQLite waits its 5 s busy timeout), records beyond max_pending drop the oldest at once,
+    counted with their tokens per tenant before any write error; the newest are committed."""
+    path = workdir / "usage.sqlite3"
+    ledger = Ledger(path, metrics, flush_interval_s=0.02, max_pending=1000)
+    ledger.start()
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN EXCLUSIVE")
+        now = time.time()
+        ledger.record(rec(-1, now))
+        deadline = time.monotonic() + 5
+        while ledger._unwritten != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        for i in range(3000):
+            ledger.record(rec(i, now, tenant="beta" if i % 2 else "acme"))
+        held = len(ledger._queue) + ledger._unwritten
+        assert held <= 1000
+        assert sample(metrics, "gateway_ledger_dropped_records_total") == 2001
+        assert sample(metrics, "gateway_ledger_write_errors_total") == 0  # still hanging
+        assert sample(metrics, "gateway_ledger_pending_records") == 1000
+        blocker.execute("ROLLBACK")
+        deadline = time.monotonic() + 20
+        while ledger.written < 1000:
+            assert time.monotonic() < deadline, ledger.written
+            time.sleep(0.05)
+    finally:
+        blocker.close()
+        ledger.close()
+    conn = open_readonly(path)
+    ids = {r[0] for r in conn.execute("SELECT request_id FROM usage")}
+    conn.close()
+    # The record in the hanging write stays; the queue kept the newest 999.
+    assert ids == {"req--1"} | {f"req-{i}" for i in range(2001, 3000)}

@@ -3,7 +3,9 @@ answer and one relayed event: a real gateway process in front of the engine simu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +31,12 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS line")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU time of ``pid`` so far (user + system, seconds; ``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def engine_busy(sim: Sim) -> float:
@@ -126,7 +134,9 @@ def test_answer_over_the_cap_is_a_502_in_the_clients_shape_and_aborted(
     warnings = [e for e in gw.logs() if e.get("event") == "upstream_error"]
     assert [e.get("kind") for e in warnings] == ["too_large"]
     line = gw.access_logs()[-1]
-    assert line["status"] == 502 and line["completion_tokens"] > 0  # charged what was generated
+    # Charged as a cut request: the prompt always, the counter delta when a baseline was read.
+    assert line["status"] == 502 and line["prompt_tokens"] > 0
+    assert line["usage_source"] != "counters" or line["completion_tokens"] > 0
 
 
 def test_event_over_the_cap_ends_the_stream_with_an_error_and_bounded_memory(
@@ -175,7 +185,8 @@ def probed(gw: Gateway, work: Callable[[], httpx.Response]) -> tuple[httpx.Respo
     """Run ``work`` while probing ``/health`` and ``/ready`` every 10 ms: its response, the
     slowest probe (seconds) and the gateway's largest RSS growth meanwhile (KiB)."""
     before = rss_kib(gw.proc.pid)
-    slowest, peak = [0.0], [0]
+    times: list[float] = []
+    peak = [0]
     done = threading.Event()
 
     def probe() -> None:
@@ -183,8 +194,9 @@ def probed(gw: Gateway, work: Callable[[], httpx.Response]) -> tuple[httpx.Respo
             while not done.is_set():
                 for path in ("/health", "/ready"):
                     started = time.monotonic()
-                    client.get(gw.url(path))  # /ready may say 503: the busy engine's probes
-                    slowest[0] = max(slowest[0], time.monotonic() - started)
+                    with contextlib.suppress(httpx.HTTPError):  # a timeout counts as slow
+                        client.get(gw.url(path))  # /ready may say 503: the engine's probes
+                    times.append(time.monotonic() - started)
                 peak[0] = max(peak[0], rss_kib(gw.proc.pid) - before)
                 time.sleep(0.01)
 
@@ -196,7 +208,7 @@ def probed(gw: Gateway, work: Callable[[], httpx.Response]) -> tuple[httpx.Respo
     finally:
         done.set()
         prober.join()
-    return response, slowest[0], peak[0]
+    return response, max(times, default=0.0), peak[0]
 
 
 @pytest.mark.parametrize(("megabytes", "status"), [(30, 200), (100, 502)])
@@ -205,7 +217,8 @@ def test_health_answers_fast_while_a_huge_answer_arrives(
 ) -> None:
     """A 30 MB non-streamed answer (rewritten in the worker process) and a 100 MB one (over the
     default engine.max_answer_bytes, refused with 502): /health and /ready keep answering
-    within 100 ms of their pace without it, and the gateway's memory stays within twice the cap."""
+    within 100 ms of their pace without it (the slowest probe of an equally long window), the
+    gateway's own CPU shows it only moved bytes, and its memory stays within twice the cap."""
     sim = sim_factory()
     gw = gateway_factory(sim)
 
@@ -220,10 +233,22 @@ def test_health_answers_fast_while_a_huge_answer_arrives(
             gw.url("/v1/chat/completions"), json=body, headers=headers, timeout=120
         )
 
-    _, control, _ = probed(gw, lambda: (time.sleep(2), ask(1)())[1])  # the machine's own pace
+    started, cpu_before = time.monotonic(), cpu_s(gw.proc.pid)
     r, slowest, peak = probed(gw, ask(megabytes))
+    took, cpu = time.monotonic() - started, cpu_s(gw.proc.pid) - cpu_before
+    # The machine's own pace: as many probes for as long, with a small request only.
+    cpu_before = cpu_s(gw.proc.pid)
+    _, control, _ = probed(gw, lambda: (time.sleep(took), ask(1)())[1])
+    cpu -= cpu_s(gw.proc.pid) - cpu_before  # the probes' own cost
     assert r.status_code == status, r.text[:500]
     if status == 200:
         assert len(r.content) > megabytes * 500_000  # the whole answer, rewritten
-    assert slowest < control + 0.1, f"slowest probe {slowest * 1000:.0f} ms"
+    # The gateway only moved bytes: decoding the answer in its loop cost 17-21 ms of its CPU per
+    # MB (measured), moving it 3-6 ms, whatever the machine's load (the probes' CPU, measured
+    # over the control window, taken off).
+    assert cpu < 0.01 * megabytes, f"gateway CPU {cpu:.2f} s for {megabytes} MB"
+    # Probes keep their pace: within 100 ms of an equally long window without the answer (three
+    # times that window's slowest on a machine loaded enough to deschedule the gateway).
+    bound = max(control + 0.1, 3 * control)
+    assert slowest < bound, f"slowest probe {slowest * 1000:.0f} ms (control {control * 1000:.0f})"
     assert peak * 1024 < 2 * 33_554_432, f"gateway RSS grew {peak} KiB"

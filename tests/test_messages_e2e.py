@@ -286,8 +286,9 @@ def test_claude_code_recorded_request_replayed(gw: Gateway) -> None:
 
 
 def test_claude_code_nonstreaming_fallback_replayed(gw: Gateway) -> None:
-    """Claude Code's non-streaming fallback request gets one Message object: offered its 24
-    tools, the model calls the first one, as the real engine's model does."""
+    """Claude Code's non-streaming fallback request gets one Message object with one tool call
+    of an offered tool: the simulator's rule (engine/sim/README.md) picks the shell tool,
+    ``Bash``, when the prompt names none."""
     body = recorded("claude-code-nonstreaming-fallback.json")
     r = httpx.post(
         gw.url("/v1/messages?beta=true"), headers={"x-api-key": KEY_A}, json=body, timeout=60
@@ -296,7 +297,9 @@ def test_claude_code_nonstreaming_fallback_replayed(gw: Gateway) -> None:
     message = anthropic.types.Message.model_validate(r.json())
     assert message.stop_reason == "tool_use"
     uses = [b for b in message.content if b.type == "tool_use"]
-    assert [b.name for b in uses] == [body["tools"][0]["name"]]
+    offered = [tool["name"] for tool in body["tools"]]
+    assert "Bash" in offered
+    assert [b.name for b in uses] == ["Bash"]
 
 
 # -------------------------------------------------------------------------------- errors

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sim.tokens import chat_prompt_tokens, text_tokens
 from engine.status import StatusFile
+from gateway.exposition import label_engine
 from gateway.metrics import (
     AUTH_FAILURE_REASONS,
     RATE_LIMITS,
@@ -39,6 +40,7 @@ from gateway.metrics import (
     TOKEN_TYPES,
     UPSTREAM_ERROR_KINDS,
 )
+from gateway.retries import MATCHES, OUTCOMES
 from tests import test_prometheus_rules as deploy_rules
 from tests.conftest import (
     ALIAS,
@@ -601,6 +603,8 @@ def test_random_models_paths_keys_and_agents_cannot_grow_label_sets(obs: Gateway
         "result": set(RELOAD_RESULTS),
         "backend": set(RATELIMIT_BACKENDS),
         "engine": {"default"},  # the configured engine names: one engine here
+        "match": set(MATCHES),
+        "outcome": set(OUTCOMES),
     }
     series = _series(text)
     assert "gateway_requests" in series
@@ -630,7 +634,8 @@ async def _engine_metrics(sim: Sim) -> str:
 
 
 def test_one_scrape_holds_gateway_and_engine_families_once_each(obs: Gateway) -> None:
-    """The scrape has each family once, no _created noise, and the engine's vllm:* unchanged."""
+    """The scrape has each family once, no _created noise, and the engine's vllm:* unchanged
+    but for the ``engine`` label (the configured name; vLLM's index kept as ``vllm_engine``)."""
     assert obs.sim is not None
     r = scrape(obs)
     assert r.status_code == 200
@@ -648,7 +653,11 @@ def test_one_scrape_holds_gateway_and_engine_families_once_each(obs: Gateway) ->
         or re.match(r"# (HELP|TYPE) vllm:", line) is not None
     ]
     ours = [line for line in r.text.splitlines() if "vllm:" in line]
-    assert ours == engine_lines
+    labelled = [
+        line if line.startswith("#") else label_engine(line, "default") for line in engine_lines
+    ]
+    assert ours == labelled
+    assert 'engine="default",vllm_engine="0"' in r.text
     assert not [line for line in r.text.splitlines() if line.startswith(("http_", "python_gc"))]
 
 

@@ -24,7 +24,7 @@ JOB = "qwen38-gateway"
 
 # The contract's series (DESIGN section 7 and the engine series appended to the same scrape):
 # name -> (type, labels). Histograms are read as NAME_bucket (plus ``le``), NAME_sum, NAME_count.
-_VLLM = ("model_name", "engine")
+_VLLM = ("model_name", "engine", "vllm_engine")
 CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway_requests_total": ("counter", ("tenant", "route", "code")),
     "gateway_request_duration_seconds": ("histogram", ("tenant", "route")),
@@ -32,6 +32,7 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway_tokens_total": ("counter", ("tenant", "type")),
     "gateway_requests_in_flight": ("gauge", ("tenant",)),
     "gateway_queue_depth": ("gauge", ()),
+    "gateway_body_memory_bytes": ("gauge", ()),
     "gateway_queue_wait_seconds": ("histogram", ("tenant",)),
     "gateway_rate_limited_total": ("counter", ("tenant", "limit")),
     "gateway_auth_failures_total": ("counter", ("reason",)),
@@ -58,10 +59,16 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway_engine_retries_total": ("counter", ()),
     "gateway_prompt_counts_total": ("counter", ()),
     "gateway_prompt_ceiling_exceeded_total": ("counter", ()),
+    # The wait prediction behind deadline refusals (gateway/deadline.py).
+    "gateway_deadline_refusals_total": ("counter", ("tenant", "dialect", "reason")),
+    "gateway_queue_start_forecast_error_seconds": ("histogram", ("direction",)),
+    "gateway_forecast_tokens_per_second": ("gauge", ("phase",)),
+    "gateway_forecast_output_tokens": ("gauge", ("thinking",)),
     # One series per configured engine (gateway/fleet.py); ``engine`` is the [[engines]] name.
     "gateway_engine_status": ("gauge", ("engine",)),
     "gateway_engine_slots": ("gauge", ("engine",)),
     "gateway_engine_in_flight": ("gauge", ("engine",)),
+    "gateway_engine_in_rotation": ("gauge", ("engine",)),
     "gateway_engine_requests_total": ("counter", ("engine",)),
     "gateway_engine_failovers_total": ("counter", ("engine",)),
     "vllm:num_requests_running": ("gauge", _VLLM),
@@ -73,10 +80,11 @@ CONTRACT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:time_to_first_token_seconds": ("histogram", _VLLM),
     "vllm:e2e_request_latency_seconds": ("histogram", _VLLM),
     # From the launcher's status file (gateway/launcher_status.py).
-    "qwen38_engine_restarts_total": ("counter", ("reason",)),
-    "qwen38_engine_hangs_total": ("counter", ()),
-    "qwen38_engine_stalled_seconds": ("gauge", ()),
-    "qwen38_engine_launcher_state": ("gauge", ("state",)),
+    # Each engine's file, labelled with its engine.
+    "qwen38_engine_restarts_total": ("counter", ("engine", "reason")),
+    "qwen38_engine_hangs_total": ("counter", ("engine",)),
+    "qwen38_engine_stalled_seconds": ("gauge", ("engine",)),
+    "qwen38_engine_launcher_state": ("gauge", ("engine", "state")),
 }
 # Labels Prometheus attaches to every series of the scrape target.
 TARGET_LABELS = frozenset({"job", "instance"})

@@ -261,3 +261,14 @@ def test_running_usage_is_summed_over_choices() -> None:
     out = run(r, [frame([CONTINUOUS[0], first, second], done=False)])
     assert b'"usage"' not in out.replace(b'\\"usage\\"', b"")
     assert r.state.running is not None and r.state.running.completion_tokens == 6
+
+
+def test_running_usage_of_a_run_mixing_flat_and_nested_forms() -> None:
+    """Several events in one read whose usage objects differ in form (flat counts, then one with
+    nested details): each is cut out and the last one's counts are the running usage."""
+    nested = b'"usage":{"prompt_tokens":14,"total_tokens":20,"completion_tokens":6,"completion_tokens_details":{"reasoning_tokens":2}}'
+    events = [*CONTINUOUS[:3], with_running_usage(PLAIN[3], nested)]
+    r = relay()
+    assert run(r, [frame(events, done=False)]) == run(relay(), [frame(PLAIN[:4], done=False)])
+    assert r.state.running is not None
+    assert (r.state.running.completion_tokens, r.state.running.reasoning_tokens) == (6, 2)

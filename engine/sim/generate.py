@@ -10,6 +10,7 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -395,6 +396,10 @@ async def stream_answer(
             task.cancel()
         if left:
             await asyncio.gather(*left, return_exceptions=True)
+        ended: list[asyncio.Future[Any]] = [t for t in (generation, sender) if t is not None]
+        for future in ended:
+            if future.done() and not future.cancelled():
+                future.exception()  # seen: a write to a client already gone is no error here
     return response
 
 

@@ -104,7 +104,12 @@ def translate_messages(body: Any, *, max_model_len: int, count_only: bool = Fals
                 f"{where}.role: Input should be 'user' or 'assistant'", param=f"{where}.role"
             )
     if not out and not count_only:
-        raise BadRequest("messages: at least one message is required", param="messages")
+        raise BadRequest(
+            "messages: at least one user or assistant message is required"
+            + (" (system messages alone are not a conversation)" if system_parts else ""),
+            param="messages",
+        )
+    _metadata(body.get("metadata"))
     if system_parts:
         out.insert(0, {"role": "system", "content": "\n\n".join(system_parts)})
     chat["messages"] = out
@@ -132,6 +137,8 @@ def translate_messages(body: Any, *, max_model_len: int, count_only: bool = Fals
     for name in ("temperature", "top_p"):
         value = number(body, name)
         if value is not None:
+            if not 0 <= value <= 1:  # Anthropic Messages API reference: both range 0.0-1.0
+                raise BadRequest(f"{name}: must be between 0 and 1", param=name)
             chat[name] = value
     top_k = body.get("top_k")
     if top_k is not None:
@@ -398,3 +405,14 @@ def _output_config(config: Any, chat: dict[str, Any]) -> None:
         "type": "json_schema",
         "json_schema": {"name": "output", "schema": schema},
     }
+
+
+def _metadata(metadata: Any) -> None:
+    """Check Anthropic's ``metadata`` (an object whose ``user_id``, when set, is a string:
+    Messages API reference) before the engine is asked; its content is not sent on."""
+    if metadata is None:
+        return
+    expect(metadata, dict, "metadata")
+    user_id = metadata.get("user_id")
+    if user_id is not None:
+        expect(user_id, str, "metadata.user_id")

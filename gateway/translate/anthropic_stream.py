@@ -95,12 +95,20 @@ class AnthropicWriter:
     def _emit(self, name: str, data: dict[str, Any]) -> bytes:
         return sse(name, data) if self.stream else b""
 
-    def start(self) -> bytes:
-        """``message_start`` once (called by `feed` on the first event too)."""
+    def start(self, *, counted: bool = True) -> bytes:
+        """``message_start`` once (called by `feed` on the first event too).
+
+        ``counted=False`` (a stream opened while it waits for the engine): ``input_tokens`` is 0
+        in ``message_start``, the engine's count comes in the final ``message_delta``. Claude
+        Code adds the running usage to its session cost at every ``message_delta``, so the
+        waiting stream's `progress` events must carry no tokens.
+        """
         if self.started:
             return b""
         self.started = True
         prompt = self.usage.prompt_tokens if self.usage is not None else self._estimate
+        if not counted and self.usage is None:
+            prompt = 0
         message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
@@ -112,6 +120,26 @@ class AnthropicWriter:
             "usage": {"input_tokens": prompt, "output_tokens": 0},
         }
         return self._emit("message_start", {"type": "message_start", "message": message})
+
+    def progress(self) -> bytes:
+        """A sign of life the clients' event watchdogs count, while nothing was generated yet.
+
+        ``ping`` events do not reset Claude Code's stream watchdog (300 s without a non-ping
+        event; the ``anthropic`` SDKs drop pings before the caller sees them), so a stream that
+        waits longer gets a ``message_delta`` that changes nothing: ``stop_reason`` null and
+        ``output_tokens`` 0 (Anthropic API reference, "Streaming Messages": one or more
+        ``message_delta`` events). Empty once a content block was opened or the stream ended.
+        """
+        if not self.started or self.ended or self.blocks or not self.stream:
+            return b""
+        return sse(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": None, "stop_sequence": None},
+                "usage": {"output_tokens": 0},
+            },
+        )
 
     def feed(self, events: Iterable[Event]) -> bytes:
         """Translate chat events; returns the SSE bytes to send (possibly empty)."""

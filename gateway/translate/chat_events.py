@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.meter import EngineUsage, parse_usage
+
 
 @dataclass(frozen=True)
 class Reasoning:
@@ -53,40 +55,14 @@ class Finish:
     stop_reason: Any = None
 
 
-@dataclass(frozen=True)
-class UsageSeen:
-    """Token counts from the engine (``usage``): prompt, completion (reasoning included),
-    cached prompt tokens, and reasoning tokens when the engine reports them."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    reasoning_tokens: int | None = None
-
+UsageSeen = EngineUsage
+"""Token counts from the engine (``usage``), as the writers receive them (`gateway.meter`)."""
 
 Event = Reasoning | Text | ToolStart | ToolArgs | Finish | UsageSeen
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
-def usage_event(usage: Any) -> UsageSeen | None:
-    """The ``usage`` object of a chunk or answer as `UsageSeen`, None when absent."""
-    if not isinstance(usage, dict):
-        return None
-    prompt_details = usage.get("prompt_tokens_details")
-    completion_details = usage.get("completion_tokens_details")
-    cached = _count(prompt_details.get("cached_tokens")) if isinstance(prompt_details, dict) else 0
-    reasoning = None
-    if isinstance(completion_details, dict) and "reasoning_tokens" in completion_details:
-        reasoning = _count(completion_details.get("reasoning_tokens"))
-    return UsageSeen(
-        prompt_tokens=_count(usage.get("prompt_tokens")),
-        completion_tokens=_count(usage.get("completion_tokens")),
-        cached_tokens=cached,
-        reasoning_tokens=reasoning,
-    )
+usage_event = parse_usage
+"""The ``usage`` object of a chunk or answer as `UsageSeen`, None when absent."""
 
 
 def _str(value: Any, default: str) -> str:

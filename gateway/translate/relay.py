@@ -22,8 +22,13 @@ class Writer(Protocol):
 
     ended: bool
 
-    def start(self) -> bytes:
-        """The stream's opening events."""
+    def start(self, *, counted: bool = True) -> bytes:
+        """The stream's opening events (``counted=False``: opened before the engine counted
+        the prompt, while the request waits)."""
+
+    def progress(self) -> bytes:
+        """An event that changes nothing, as a sign of life while nothing was generated (or
+        ``b""``)."""
 
     def feed(self, events: list[Event]) -> bytes:
         """Translated events for the client."""
@@ -59,9 +64,14 @@ class TranslatingRelay:
         """The engine's stream ended as a complete answer (or with its own error event)."""
         return self.inner.clean_end
 
-    def start(self) -> bytes:
-        """The dialect's opening events (sent before the first token, so prefill shows life)."""
-        return self.writer.start()
+    def start(self, *, waiting: bool = False) -> bytes:
+        """The dialect's opening events (sent before the first token, so prefill shows life;
+        ``waiting``: sent while the request is still queued for the engine)."""
+        return self.writer.start(counted=not waiting)
+
+    def progress(self) -> bytes:
+        """The writer's no-op event for clients whose idle timers count events, not bytes."""
+        return self.writer.progress()
 
     def feed(self, data: bytes) -> bytes:
         """One engine read in; the dialect's bytes out (possibly ``b""``)."""

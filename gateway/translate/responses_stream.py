@@ -88,8 +88,9 @@ class ResponsesWriter:
         self._seq += 1
         return json_event(name, data)
 
-    def start(self) -> bytes:
-        """``response.created`` and ``response.in_progress``, once."""
+    def start(self, *, counted: bool = True) -> bytes:
+        """``response.created`` and ``response.in_progress``, once (``counted`` is ignored: the
+        usage of an unfinished response is null)."""
         if self.started:
             return b""
         self.started = True
@@ -97,6 +98,15 @@ class ResponsesWriter:
         return self._emit("response.created", {"response": snapshot}) + self._emit(
             "response.in_progress", {"response": snapshot}
         )
+
+    def progress(self) -> bytes:
+        """Another ``response.in_progress`` (with the next ``sequence_number``) while nothing was
+        generated yet: Codex's idle timer (``stream_idle_timeout_ms``, 300 s by default) counts
+        SSE events, and SSE comments are not events. Empty once output began or the stream ended.
+        """
+        if not self.started or self.ended or self.output or not self.stream:
+            return b""
+        return self._emit("response.in_progress", {"response": self.response()})
 
     def feed(self, events: Iterable[Event]) -> bytes:
         """Translate chat events; returns the SSE bytes to send (possibly empty)."""

@@ -16,7 +16,12 @@ times (``received_at``/``ended_at``) over the window:
 - failover: after the window, with the load stopped, the engine holding a session is killed
   (SIGKILL) and the session's next turn sent at once: seconds from the kill to its first byte,
   served by another engine; and, with no request at all, seconds from killing another engine
-  to ``/ready`` showing it down (the health poller alone, ``health_interval_s = 0.5``).
+  to ``/ready`` showing it down (the health poller alone, ``health_interval_s = 0.5``);
+- hang: between the two kills, the engine holding another session is stopped (SIGSTOP: it
+  accepts connections and answers nothing) and that session's next turn sent at once: seconds
+  from the stop to its first byte (the turn is placed on the hung engine, moved when the engine
+  leaves rotation, served by another one), and to ``/ready`` showing the engine out of
+  rotation (``rotation_timeout_s = 0.3``); then SIGCONT and seconds until it is back.
 """
 
 from __future__ import annotations
@@ -80,6 +85,11 @@ class FleetResult:
     failover_from: str
     failover_engine: str
     detect_s: float
+    hang_s: float = float("inf")
+    hang_from: str = "?"
+    hang_engine: str = "?"
+    hang_out_s: float = float("inf")
+    hang_back_s: float = float("inf")
     errors: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -119,6 +129,18 @@ class FleetResult:
                 self.failover_s < FAILOVER_TARGET_S,
             ),
             line(
+                "hang -> next turn served elsewhere",
+                f"{self.hang_s:.3f} s ({self.hang_from} stopped, served by {self.hang_engine})",
+                f"< {FAILOVER_TARGET_S} s",
+                self.hang_s < FAILOVER_TARGET_S,
+            ),
+            line(
+                "hang -> out of rotation",
+                f"{self.hang_out_s:.3f} s (back {self.hang_back_s:.3f} s after SIGCONT)",
+                f"< {FAILOVER_TARGET_S} s",
+                self.hang_out_s < FAILOVER_TARGET_S,
+            ),
+            line(
                 "kill (no traffic) -> out of rotation",
                 f"{self.detect_s:.3f} s",
                 f"< {FAILOVER_TARGET_S} s",
@@ -150,6 +172,7 @@ def fleet_stack(workdir: Path) -> Iterator[tuple[list[Sim], Gateway]]:
                 "queue_size": 10_000,
                 "queue_timeout_s": 600.0,
                 "health_interval_s": 0.5,
+                "rotation_timeout_s": 0.3,
             },
             "logging": {"level": "info"},
             "tenants": {"default": dict(limits), **{t: dict(limits) for t in TENANTS}},
@@ -391,6 +414,11 @@ def run_fleet(
         figures = analyse(_records(sims), start, end)
         progress("fleet: killing an engine under a session")
         failover_s, victim, by = asyncio.run(_failover(gw, sims, sessions))
+        progress("fleet: stopping (SIGSTOP) an engine under a session")
+        skip = next(s.key for s in sessions if _home_of(_records(sims)).get(s.key))
+        from tests.perf.fleet_hang import hang  # it reads this module's sessions
+
+        hang_s, hung, hang_by, hang_out_s, hang_back_s = asyncio.run(hang(gw, sims, sessions, skip))
         other = next(i for i, s in enumerate(sims) if s.proc.poll() is None)
         detect_s = _detect(gw, sims[other], f"e{other}")
     return FleetResult(
@@ -399,6 +427,11 @@ def run_fleet(
         failover_from=victim,
         failover_engine=by,
         detect_s=detect_s,
+        hang_s=hang_s,
+        hang_from=hung,
+        hang_engine=hang_by,
+        hang_out_s=hang_out_s,
+        hang_back_s=hang_back_s,
         errors=errors,
         **figures,
     )

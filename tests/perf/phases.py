@@ -1,18 +1,23 @@
 """Where a request's time goes before its first byte: the gateway's stages timed one by one.
 
-``python -m tests.perf.phases``: one simulator (0 ms per token, 256 tokens) and one gateway with
+``python -m tests.perf.phases [REQUESTS [TOKENS]]``: one simulator (0 ms per token, 256 tokens unless
+TOKENS says) and one gateway with
 production's ``engine.max_concurrency = 1``; a client sends streamed chat requests one at a time
 (c=1) and the gateway, started through this module's ``serve`` wrapper, times its stages per
 request with ``time.perf_counter`` around the functions that do them:
 
 - ``auth``: `gateway.auth.Authenticator.authenticate`;
 - ``rewrite``: `gateway.proxy.plan_call` (read and parse the body, validate, rewrite);
-- ``limits``: the quota and rate-limit reservations (`Accounting.reserve`, the limiter's);
+- ``limits``: the quota and rate-limit reservations (`gateway.budget.reserve_budgets`);
 - ``queue``: the admission ticket's wait (`gateway.admission.Ticket.wait`);
 - ``baseline``: `gateway.settling.take_baseline` (the engine-counter baseline of one slot);
 - ``connect``: `gateway.upstream.Upstream.post` (the POST until the engine's headers);
 - ``first byte``: from the engine's headers to the first client write of an event;
-- ``to first byte``: from the request's context (`context_middleware`) to that write.
+- ``to first byte``: from the request's context (`context_middleware`) to that write;
+- ``arrival``: from the client's send (its ``perf_counter``, the same clock in every process)
+  to the request's context: the server's own request path and any work still under way;
+- ``after the end``: from the last write of the stream to the handler's return (settling,
+  ledger, access log), work the next request of a back-to-back client may wait behind.
 
 Medians and p90 in microseconds over the measured requests, plus the client's TTFT. The timers
 cost about 1 µs each. Nothing here is used by the gateway itself.
@@ -43,6 +48,8 @@ PHASES = (
     "connect",
     "first byte",
     "to first byte",
+    "arrival",
+    "after the end",
 )
 _current: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar(
     "phases", default=None
@@ -82,12 +89,10 @@ def _timed(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
 
 def install() -> None:
     """Wrap the stages (see the module doc); the records are written at exit to $PHASES_OUT."""
-    import gateway.accounting
     import gateway.admission
     import gateway.app
     import gateway.auth
     import gateway.proxy
-    import gateway.ratelimit
     import gateway.relay
     import gateway.upstream
 
@@ -95,11 +100,15 @@ def install() -> None:
 
     async def context_middleware(request: Any, handler: Any) -> Any:
         record: dict[str, float] = {"_start": time.perf_counter()}
+        sent = request.headers.get("X-Phases-Sent")
+        if sent is not None:
+            record["_sent"] = float(sent)
         token = _current.set(record)
         try:
             return await original_context(request, handler)
         finally:
             _current.reset(token)
+            record["_return"] = time.perf_counter()
             if "_first" in record and request.path.startswith("/v1/"):
                 _done.append(record)
 
@@ -108,10 +117,7 @@ def install() -> None:
     auth = gateway.auth.Authenticator
     auth.authenticate = _timed("auth", auth.authenticate)  # type: ignore[method-assign]
     gateway.proxy.plan_call = _timed_async("rewrite", gateway.proxy.plan_call)
-    accounting = gateway.accounting.Accounting
-    accounting.reserve = _timed_async("limits", accounting.reserve)  # type: ignore[method-assign]
-    limiter = gateway.ratelimit.RateLimiter
-    limiter.reserve = _timed_async("limits", limiter.reserve)  # type: ignore[method-assign]
+    gateway.proxy.reserve_budgets = _timed_async("limits", gateway.proxy.reserve_budgets)
     ticket = gateway.admission.Ticket
     ticket.wait = _timed_async("queue", ticket.wait)  # type: ignore[method-assign]
     if hasattr(gateway.proxy, "take_baseline"):
@@ -128,6 +134,17 @@ def install() -> None:
         await original_send(self, data)
 
     stream.send = send  # type: ignore[method-assign]
+    original_end = stream.end
+
+    async def end(self: Any, tail: bytes) -> Any:
+        try:
+            return await original_end(self, tail)
+        finally:
+            record = _current.get()
+            if record is not None:
+                record["_end"] = time.perf_counter()
+
+    stream.end = end  # type: ignore[method-assign]
 
     def dump() -> None:
         out = os.environ.get("PHASES_OUT")
@@ -154,6 +171,10 @@ def summarise(records: list[dict[str, float]], skip: int) -> dict[str, tuple[flo
             values = [r["_first"] - r["_headers"] for r in rows if "_headers" in r]
         elif name == "to first byte":
             values = [r["_first"] - r["_start"] for r in rows]
+        elif name == "arrival":
+            values = [r["_start"] - r["_sent"] for r in rows if "_sent" in r]
+        elif name == "after the end":
+            values = [r["_return"] - r["_end"] for r in rows if "_end" in r]
         else:
             values = [r.get(name, 0.0) for r in rows]
         if values:
@@ -172,9 +193,8 @@ async def _drive(url: str, key: str, body: dict[str, Any], count: int) -> list[f
     async with aiohttp.ClientSession() as session:
         for _ in range(count):
             started = time.perf_counter()
-            async with session.post(
-                url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-            ) as r:
+            headers = {"Authorization": f"Bearer {key}", "X-Phases-Sent": repr(started)}
+            async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                 first = None
                 async for line in r.content:
                     if first is None and line.startswith(b"data:"):
@@ -191,9 +211,10 @@ def main() -> int:
     from tests.perf.stacks import BENCH_CONFIG, request_body
 
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 300
+    tokens = sys.argv[2] if len(sys.argv) > 2 else "256"
     workdir = Path(tempfile.mkdtemp(prefix="q38ph-", dir="/tmp"))
     out = workdir / "phases.json"
-    sim = start_sim(workdir, "--tokens-per-second", "0", "--completion-tokens", "256")
+    sim = start_sim(workdir, "--tokens-per-second", "0", "--completion-tokens", tokens)
     config = {**BENCH_CONFIG, "engine": {**BENCH_CONFIG["engine"], "max_concurrency": 1}}
     os.environ["PHASES_OUT"] = str(out)
     gw = start_gateway(workdir, sim, config)
@@ -222,7 +243,7 @@ def main() -> int:
                 return False
 
         assert wait_until(ready, 30), "the timed gateway did not become ready"
-        ttfts = asyncio.run(_drive(gw.base_url, KEY_A, request_body(256), count))
+        ttfts = asyncio.run(_drive(gw.base_url, KEY_A, request_body(int(tokens)), count))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)

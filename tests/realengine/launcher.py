@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import httpx
 
+from engine.procgroup import ProcessGroup
 from tests.realengine.rootcause import root_cause
 
 try:
@@ -152,6 +153,7 @@ class LaunchedEngine:
     log_path: Path
     start_timeout_s: float
     launcher: subprocess.Popen[bytes] | None = None
+    launcher_group: ProcessGroup | None = None
     starts: list[float] = field(default_factory=list)
 
     def start(self) -> None:
@@ -171,6 +173,7 @@ class LaunchedEngine:
                 cwd=REPO,
                 start_new_session=True,
             )
+        self.launcher_group = ProcessGroup.of(self.launcher.pid)
         began = time.monotonic()
         deadline = began + self.start_timeout_s
         while not os.path.exists(self.ready_file):
@@ -188,23 +191,28 @@ class LaunchedEngine:
             time.sleep(0.1)
         self.starts.append(time.monotonic() - began)
 
-    def engine_pid(self) -> int | None:
-        """Pid (and process group) of the engine the launcher spawned last, from its log."""
-        pid = None
+    def engine_group(self) -> ProcessGroup | None:
+        """The process group of the engine the launcher spawned last (its pid and start time,
+        from the launcher's log)."""
+        group = None
         for line in self.log_path.read_text(errors="replace").splitlines():
             if line.startswith("{") and '"spawn"' in line:
                 with contextlib.suppress(ValueError):
                     event = json.loads(line)
                     if event.get("event") == "spawn":
-                        pid = int(event["pid"])
-        return pid
+                        group = ProcessGroup(int(event["pid"]), event.get("start_ticks"))
+        return group
+
+    def engine_pid(self) -> int | None:
+        """Pid (and process group) of the engine the launcher spawned last, from its log."""
+        group = self.engine_group()
+        return group.pgid if group else None
 
     def kill_engine(self) -> None:
         """SIGKILL the engine's whole process group, as a crash or the OOM killer would."""
-        pid = self.engine_pid()
-        assert pid is not None, "no engine was spawned"
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
+        group = self.engine_group()
+        assert group is not None, "no engine was spawned"
+        group.signal(signal.SIGKILL)
 
     def restart(self) -> int | None:
         """Wait for the launcher to exit (it must, its engine died), then start it again.
@@ -223,15 +231,15 @@ class LaunchedEngine:
     def stop(self) -> None:
         """SIGTERM the launcher (it stops the engine's group), then SIGKILL whatever is left."""
         launcher, self.launcher = self.launcher, None
-        engine = self.engine_pid()
+        groups = [self.engine_group(), self.launcher_group]
         if launcher is not None and launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 launcher.wait(30)
-        for group in (engine, launcher.pid if launcher else None):
+        # Only groups still led by what was started, or by nobody (engine/procgroup.py).
+        for group in groups:
             if group is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(group, signal.SIGKILL)
+                group.signal(signal.SIGKILL)
         if launcher is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 launcher.wait(5)

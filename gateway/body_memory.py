@@ -1,0 +1,194 @@
+"""The memory held by model requests' bodies, bounded by ``server.bodies_max_bytes``.
+
+While a body uploads, the gateway holds its reads and then the bytes joined from them; once
+parsed, the Python objects of the client body (a translated request keeps them for the rest of
+the request) and the engine body encoded from them (about as long as the body); a
+``previous_response_id`` adds the stored conversation it continues (`RequestPlan.held_extra`). Those objects are 0.5 to 19 times the
+JSON's bytes (a string costs its characters at 1, 2 or 4 bytes each plus a 49-byte header, a
+dict at least 64 bytes, every value a pointer), so a bound counted in body bytes would hold up
+to 19 times what it says (case C27's kind). `held_estimate` is an upper estimate of the parsed
+objects from the bytes alone, made before the body is parsed, in a few passes at C speed;
+`BodyMemory` admits a request only while the holds of every model request in the process
+(reading, waiting in the queue, at an engine) fit the bound, so a flood of large or
+parse-expensive bodies is refused at the door instead of growing the process. The bytes and the
+decoded text of a body live only while it is parsed and planned, one body at a time (that
+stretch never awaits), so at most one body's ``2 x max_body_bytes`` is held beside the bound.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.body import read_body
+from gateway.config import ServerSettings
+from gateway.errors import EngineUnavailable, PayloadTooLarge, RateLimited, retry_after_header
+from gateway.metrics import Metrics
+
+# A string's characters take 1, 2 or 4 bytes each in CPython (PEP 393: the widest character
+# of the string decides): 4 when the body holds a character past U+FFFF (a UTF-8 lead byte
+# F0-F4, or an escaped surrogate pair).
+_SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89abAB]")
+_ASTRAL_LEADS = bytes(range(0xF0, 0xF5))
+_NOT_ASTRAL_LEAD = bytes(b for b in range(256) if b not in _ASTRAL_LEADS)
+# Every byte but the structural ones, the backslash and the astral lead bytes, deleted in one
+# pass (`bytes.translate`) so that everything below runs over what is left.
+_NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b'"{[:,\\' + _ASTRAL_LEADS)
+# Bytes of parsed objects per structural character (CPython 3.11, 64-bit; fitted with
+# tracemalloc over 19 shapes, from one long string to 400,000 empty objects, to stay at or
+# above each): a string's header and pointer, half per quote (keys are shared within a body);
+# a dict entry per colon; a small dict per brace; a list header per bracket; a value's pointer
+# and a number's object per comma.
+_PER_QUOTE = 16
+_PER_COLON = 40
+_PER_BRACE = 160
+_PER_BRACKET = 56
+_PER_COMMA = 32
+
+
+def held_estimate(raw: bytes) -> int:
+    """Bytes of the Python objects a JSON body of ``raw`` parses into: an upper estimate, 1.0 to
+    1.6 times the measured size for text, messages, tool schemas and numbers (2.1 for a recorded
+    Codex request), up to 4 for Latin-1 text and 8 for lists of one-character strings (which
+    CPython shares). Structural characters inside strings count as structure, which only
+    raises it."""
+    size = len(raw)
+    structure = raw.translate(None, _NOT_STRUCTURAL)
+    escapes = b"\\" in structure and b"\\u" in raw
+    if raw.isascii():
+        wide = 2 if escapes else 1
+    else:
+        wide = 4 if structure.translate(None, _NOT_ASTRAL_LEAD) else 2
+    if wide < 4 and escapes and _SURROGATE_ESCAPE_RE.search(raw) is not None:
+        wide = 4
+    return (
+        wide * size
+        + _PER_QUOTE * structure.count(b'"')
+        + _PER_COLON * structure.count(b":")
+        + _PER_BRACE * structure.count(b"{")
+        + _PER_BRACKET * structure.count(b"[")
+        + _PER_COMMA * structure.count(b",")
+    )
+
+
+def reading_estimate(content_length: int | None, max_body_bytes: int) -> int:
+    """Bytes held while a body is read: twice its ``Content-Length`` (the reads, then the bytes
+    joined from them), or of ``max_body_bytes`` for a body without one (chunked), which is
+    known only once read."""
+    return 2 * (max_body_bytes if content_length is None else content_length)
+
+
+@dataclass
+class BodyHold:
+    """One request's share of the bound: its tenant and the bytes it holds now."""
+
+    tenant: str
+    weight: float
+    size: int = 0
+
+
+class BodyMemory:
+    """The bodies of every model request in this process, bounded in estimated memory.
+
+    Args:
+        limit: ``server.bodies_max_bytes``.
+        metrics: ``gateway_body_memory_bytes`` (held now) and
+            ``gateway_rate_limited_total{limit="memory"}`` (refusals of a tenant at its share).
+        per_request_s: the expected seconds until one request at the engines finishes (what
+            frees memory): the admission queue's ``1 / drain_rate``, for ``Retry-After``.
+
+    A request that would take the total past ``limit`` is refused as a full queue is: 429
+    ``memory`` when its tenant already holds at least its weighted share of the bound (its own
+    backlog is the cause), else 503 (the gateway is saturated); one whose estimate alone exceeds
+    the bound is a 413, since it could never be held.
+    """
+
+    def __init__(self, limit: int, metrics: Metrics, per_request_s: Callable[[], float]) -> None:
+        self.limit = limit
+        self.held = 0
+        self._metrics = metrics
+        self._per_request_s = per_request_s
+        self._tenants: dict[str, BodyHold] = {}  # tenant -> bytes held and its weight
+        self._weights: dict[str, float] = {}
+
+    def take(self, hold: BodyHold, size: int, label: str) -> None:
+        """Set ``hold``'s bytes to ``size``: a request reading its body, then holding it parsed.
+
+        Raises:
+            PayloadTooLarge: ``size`` alone is over the bound.
+            RateLimited, EngineUnavailable: it does not fit beside what others hold (see the
+                class doc); ``hold`` keeps what it held before.
+        """
+        extra = size - hold.size
+        if extra <= 0 or self.held + extra <= self.limit:
+            self._move(hold, extra)
+            return
+        if size > self.limit:
+            raise PayloadTooLarge(
+                f"Request body too large to hold: its parsed form takes about {size} bytes "
+                f"of memory; this gateway holds at most {self.limit} for all requests."
+            )
+        mine = self._tenants.get(hold.tenant)
+        held_here = (mine.size if mine is not None else 0) - hold.size  # its other requests
+        others = sum(w for t, w in self._weights.items() if t != hold.tenant)
+        share = self.limit * hold.weight / (others + hold.weight)
+        what = f"Request bodies fill this gateway's memory bound ({self.limit} bytes)"
+        per_request = max(0.001, self._per_request_s())
+        if held_here > 0 and held_here + extra > share:
+            self._metrics.rate_limited.labels(label, "memory").inc()
+            wait = per_request * (others + hold.weight) / hold.weight
+            raise RateLimited(
+                "memory",
+                f"{what}; this tenant holds at least its weighted share of it. "
+                f"Retry in about {retry_after_header(wait)} s.",
+                wait,
+            )
+        raise EngineUnavailable(
+            f"{what}; the gateway is saturated. Retry in about {retry_after_header(per_request)} s.",
+            per_request,
+        )
+
+    def release(self, hold: BodyHold) -> None:
+        """The request ended: everything ``hold`` held is free. Idempotent."""
+        self._move(hold, -hold.size)
+
+    def _move(self, hold: BodyHold, delta: int) -> None:
+        if delta == 0:
+            return
+        hold.size += delta
+        self.held += delta
+        entry = self._tenants.get(hold.tenant)
+        if entry is None:
+            entry = self._tenants[hold.tenant] = BodyHold(hold.tenant, hold.weight)
+        entry.size += delta
+        if entry.size <= 0:
+            del self._tenants[hold.tenant]
+            self._weights.pop(hold.tenant, None)
+        else:
+            self._weights[hold.tenant] = hold.weight
+        self._metrics.body_memory.set(self.held)
+
+
+async def read_held(
+    request: web.Request, memory: BodyMemory, hold: BodyHold, server: ServerSettings, label: str
+) -> bytes:
+    """Read a model request's body within ``server.bodies_max_bytes``: twice its
+    ``Content-Length`` is taken before reading (of ``max_body_bytes`` for a chunked body); once
+    read, before it is parsed, the `held_estimate` of its parsed form plus its length again (the
+    engine body encoded from it, about as long). The caller releases ``hold`` when the request's
+    bodies are dropped.
+
+    Raises:
+        PayloadTooLarge, RequestTimeout, BadRequest: see `gateway.body.read_body`; 413 also for
+            a body whose parsed form alone would exceed the bound.
+        RateLimited, EngineUnavailable: the bound is full (see `BodyMemory.take`).
+    """
+    length = request.content_length
+    if length is None or length <= server.max_body_bytes:  # else read_body refuses it unread
+        memory.take(hold, reading_estimate(length, server.max_body_bytes), label)
+    raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+    memory.take(hold, held_estimate(raw) + len(raw), label)  # parsed, then the engine body
+    return raw

@@ -1,0 +1,141 @@
+"""A stream that waits: queued for an engine slot, or at the engine before its first token.
+
+One request stays one request however long it waits, because the clients' idle timers never
+fire: from the moment a stream waits ``engine.queued_comment_after_s`` in the queue its headers
+go out, then the dialect's opening events (Anthropic ``message_start``; Responses
+``response.created`` and ``response.in_progress``; nothing for chat and completions), then every
+``server.sse_keepalive_s`` bytes the clients accept as life:
+
+- chat and completions: an SSE comment (``: queued`` in the queue, ``: keep-alive`` during the
+  prefill); the ``openai`` SDK's read timeout counts bytes;
+- Messages: ``event: ping``; Claude Code's byte watchdog counts it, but its event watchdog (300 s
+  without an event, ``CLAUDE_STREAM_IDLE_TIMEOUT_MS`` can only raise it) skips pings, and the
+  ``anthropic`` SDKs drop them, so every ``server.sse_progress_event_s`` the ping is replaced by
+  a ``message_delta`` that changes nothing (`AnthropicWriter.progress`);
+- Responses: an SSE comment, and every ``server.sse_progress_event_s`` a ``response.in_progress``
+  event instead: Codex's idle timer (``stream_idle_timeout_ms``, 300 s) counts SSE events, and a
+  comment is none.
+
+A client that closed its connection is found at once (aiohttp cancels the handler, the ticket
+leaves the queue); one whose connection is dead but not closed is found when a keep-alive write
+fails: a reset or unreachable peer raises at the write, and a peer that stopped reading fills the
+socket buffers, after which the write waits ``server.client_write_timeout_s`` and gives up
+(`gateway.relay.ClientStream.send`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gateway.admission import Ticket
+from gateway.framing import comment
+from gateway.relay import ClientStream
+from gateway.state import ModelCall
+
+QUEUED_COMMENT = comment("queued")
+PRIORITY_HEADER = "X-Request-Priority"
+BACKGROUND_TIERS = frozenset({"flex"})
+"""``service_tier`` values that mark a request as background work: OpenAI's ``flex`` tier is
+"lower priority, slower" processing (OpenAI API reference, "Flex processing")."""
+DEFAULT_KEEPALIVE_S = 5.0
+"""The beat used while queued when ``server.sse_keepalive_s`` is 0 (a queued stream must show
+life: its headers are out)."""
+
+
+class Heartbeat:
+    """The signs of life of one waiting stream.
+
+    Args:
+        stream: the client's SSE response (its ``relay`` is made here when missing).
+        call: the model call (its dialect and settings).
+        clock: monotonic seconds.
+    """
+
+    __slots__ = ("_call", "_clock", "_last_progress", "_progress_every", "_stream", "every")
+
+    def __init__(self, stream: ClientStream, call: ModelCall, clock: Callable[[], float]) -> None:
+        self._stream = stream
+        self._call = call
+        self._clock = clock
+        server = call.settings.server
+        self.every = server.sse_keepalive_s
+        self._progress_every = server.sse_progress_event_s
+        self._last_progress = clock()
+
+    def relay(self) -> object:
+        """The stream's relay, made now if the stream has none yet (the queue opens it early)."""
+        stream = self._stream
+        if stream.relay is None:
+            assert self._call.plan is not None
+            stream.relay = self._call.dialect.stream_relay(self._call.settings, self._call.plan)
+        return stream.relay
+
+    async def open(self) -> None:
+        """The headers and the dialect's opening events, sent while the request is queued."""
+        await self._stream.start()
+        opening = getattr(self.relay(), "start", None)
+        data = opening(waiting=True) if opening is not None else b""
+        if data:
+            await self._stream.send(data)
+        self._last_progress = self._clock()
+
+    async def beat(self, keepalive: bytes) -> None:
+        """One sign of life: ``keepalive``, or the relay's progress event when none went out for
+        ``server.sse_progress_event_s``.
+
+        Raises:
+            ConnectionResetError: the client went away (`gateway.relay.ClientStalled` when it
+                stopped reading).
+        """
+        now = self._clock()
+        progress = getattr(self._stream.relay, "progress", None)
+        due = self._progress_every > 0 and now - self._last_progress >= self._progress_every
+        if progress is not None and due:
+            data = progress()
+            if data:
+                self._last_progress = now
+                await self._stream.send(data)
+                return
+        await self._stream.send(keepalive)
+
+    def queued_keepalive(self) -> bytes:
+        """What a queued stream sends between progress events: its dialect's keep-alive when
+        that is an event (Anthropic's ``ping``), else the ``: queued`` comment."""
+        keepalive = self._call.dialect.keepalive
+        if keepalive is not None and not keepalive.startswith(b":"):
+            return keepalive
+        return QUEUED_COMMENT
+
+
+async def wait_for_slot(ticket: Ticket, heartbeat: Heartbeat, after: float) -> None:
+    """Wait for the engine slot; after ``after`` seconds the stream opens and beats at once, then
+    every ``server.sse_keepalive_s``.
+
+    Raises:
+        the errors of `Ticket.wait` (queue timeout, closed queue); ConnectionResetError when
+        the client went away during a beat.
+    """
+    if await ticket.wait(after):
+        return
+    await heartbeat.open()
+    every = heartbeat.every or DEFAULT_KEEPALIVE_S
+    keepalive = heartbeat.queued_keepalive()
+    while True:
+        await heartbeat.beat(keepalive)
+        if await ticket.wait(every):
+            return
+
+
+def background_request(headers: Mapping[str, str], body: Any) -> bool:
+    """True when the request says it is background work, to be served after its own tenant's
+    interactive requests (`gateway.admission.AdmissionQueue.enqueue`): the header
+    ``X-Request-Priority: background`` (any API), or ``service_tier: "flex"`` in an OpenAI body
+    (chat, completions, Responses; what Open WebUI's ``TASK_MODEL_PARAMS`` can add to its title,
+    tags and follow-up requests). The field is passed on; the engine ignores it.
+    """
+    priority = headers.get(PRIORITY_HEADER, "")
+    if priority.strip().lower() == "background":
+        return True
+    tier = body.get("service_tier") if isinstance(body, dict) else None
+    return isinstance(tier, str) and tier in BACKGROUND_TIERS  # any JSON value may come

@@ -1,0 +1,440 @@
+"""Retries attach instead of duplicating (`gateway.retries`), in-process against the simulator.
+
+Each test drives the gateway app with pytest-aiohttp's client over the simulator's app on a
+Unix socket (`tests.inprocess`); the simulator's record of model requests is the count of
+generations, the finish hooks' contexts the ledger's records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gateway import ledger
+from gateway.flight import Flight
+from gateway.retries import FLIGHTS
+from gateway.state import ACCOUNTING, FINISH_HOOKS, METRICS, RequestContext
+from tests.conftest import ALIAS, KEY_B
+from tests.inprocess import AUTH_A, Stack, chat_body, open_stack, sse_data, until
+
+pytestmark = pytest.mark.fast
+
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+AUTH_B = {"Authorization": f"Bearer {KEY_B}"}
+SLOW = {"tokens_per_second": 20, "completion_tokens": 30}
+
+
+@pytest.fixture
+async def stack(aiohttp_client: Any) -> AsyncIterator[Stack]:
+    """The simulator (no pacing unless a body asks) and a gateway with a short orphan grace."""
+    config = {"retries": {"orphan_grace_s": 1.0}}
+    async with open_stack(aiohttp_client, config) as s:
+        yield s
+
+
+def recorded(stack: Stack) -> list[RequestContext]:
+    """Collect the finished model requests that would write a ledger record."""
+    seen: list[RequestContext] = []
+    stack.app[FINISH_HOOKS].append(lambda c: seen.append(c) if c.call is not None else None)
+    return seen
+
+
+def matches(stack: Stack, match: str, outcome: str) -> float:
+    """``gateway_retries_total`` for one match and outcome."""
+    registry = stack.app[METRICS].registry
+    value = registry.get_sample_value("gateway_retries_total", {"match": match, "outcome": outcome})
+    return value or 0.0
+
+
+def generations(stack: Stack) -> int:
+    """Model requests the simulator received."""
+    assert stack.sim is not None
+    return len(stack.sim.model_records())
+
+
+async def test_idempotency_key_replays_finished_answer(stack: Stack) -> None:
+    """The same key and body after the answer replays it: same body, one generation, one record."""
+    seen = recorded(stack)
+    headers = {**AUTH_A, "Idempotency-Key": "order-1"}
+    body = chat_body(max_tokens=8)
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    assert first.status == 200
+    text = await first.read()
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    assert second.status == 200
+    assert await second.read() == text
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert second.headers["x-request-id"] != first.headers["x-request-id"]
+    assert generations(stack) == 1
+    assert len(seen) == 1
+    assert matches(stack, "key", "replay") == 1
+
+
+async def test_reused_key_with_another_body_is_409_in_each_dialect(stack: Stack) -> None:
+    """A key reused with a different body is 409, OpenAI's shape on chat, Anthropic's on messages."""
+    headers = {**AUTH_A, "Idempotency-Key": "k-409"}
+    ok = await stack.client.post(CHAT, json=chat_body(max_tokens=4), headers=headers)
+    assert ok.status == 200
+    other = await stack.client.post(CHAT, json=chat_body(max_tokens=5), headers=headers)
+    assert other.status == 409
+    assert other.headers["x-should-retry"] == "false"
+    error = (await other.json())["error"]
+    assert error["code"] == "idempotency_key_reused"
+    assert error["type"] == "invalid_request_error"
+    body = {"model": ALIAS, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"x-api-key": headers["Authorization"][7:], "Idempotency-Key": "k-409m"}
+    assert (await stack.client.post(MESSAGES, json=body, headers=headers)).status == 200
+    conflict = await stack.client.post(MESSAGES, json={**body, "max_tokens": 5}, headers=headers)
+    assert conflict.status == 409
+    shaped = await conflict.json()
+    assert shaped["type"] == "error"
+    assert shaped["error"]["type"] == "invalid_request_error"
+    assert "different request body" in shaped["error"]["message"]
+    assert "k-409m" not in json.dumps(shaped)
+    assert generations(stack) == 2
+    assert matches(stack, "key", "conflict") == 2
+
+
+async def test_key_is_per_tenant(stack: Stack) -> None:
+    """Another tenant's request with the same key and body runs on its own."""
+    body = chat_body(max_tokens=4)
+    for auth in (AUTH_A, AUTH_B):
+        reply = await stack.client.post(CHAT, json=body, headers={**auth, "Idempotency-Key": "x"})
+        assert reply.status == 200
+        assert "Idempotent-Replayed" not in reply.headers
+    assert generations(stack) == 2
+
+
+async def test_stream_attach_gets_whole_stream_from_its_start(stack: Stack) -> None:
+    """A retry attaching mid-stream gets the stream from its first byte: the same bytes."""
+    seen = recorded(stack)
+    headers = {**AUTH_A, "Idempotency-Key": "stream-1"}
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    assert first.status == 200
+    head = await first.content.readuntil(b"\n\n")
+    head += await first.content.readuntil(b"\n\n")
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    assert second.status == 200
+    assert second.headers["Idempotent-Replayed"] == "true"
+    rest = await first.read()
+    attached = await second.read()
+    assert attached == head + rest
+    assert sse_data(attached)[-1] == "[DONE]"
+    assert generations(stack) == 1
+    assert await until(lambda: len(seen) == 1)
+    assert seen[0].call is not None and seen[0].call.attaches == 1
+    assert matches(stack, "key", "attach") == 1
+
+
+async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None:
+    """The first client closing does not cancel a generation another connection reads."""
+    seen = recorded(stack)
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    keyed = {**AUTH_A, "Idempotency-Key": "first-gone"}
+    first = await stack.client.post(CHAT, json=body, headers=keyed)
+    await first.content.readuntil(b"\n\n")
+    second = await stack.client.post(CHAT, json=body, headers=keyed)
+    assert second.status == 200
+    first.close()
+    events = sse_data(await second.read())
+    assert events[-1] == "[DONE]"
+    assert generations(stack) == 1
+    assert await until(lambda: len(seen) == 1)
+    call = seen[0].call
+    assert call is not None and call.attaches == 1 and call.usage.completion_tokens == 30
+    assert seen[0].status == 200 and seen[0].reason == "retry_detached"
+    assert matches(stack, "key", "attach") == 1
+
+
+async def test_plain_stream_records_nothing_past_its_headers(stack: Stack) -> None:
+    """A stream without a key keeps no bytes for retries once its headers went out (the SDKs
+    retry a stream only before them): a marked retry then runs on its own."""
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    await first.content.readuntil(b"\n\n")
+    await first.content.readuntil(b"\n\n")
+    assert stack.app[FLIGHTS].bytes == 0
+    retry = {**AUTH_A, "x-stainless-retry-count": "1"}
+    second = await stack.client.post(CHAT, json=body, headers=retry)
+    assert "Idempotent-Replayed" not in second.headers
+    await asyncio.gather(first.read(), second.read())
+    assert generations(stack) == 2
+
+
+async def test_all_clients_gone_cancels_after_grace(stack: Stack) -> None:
+    """When every attached client left, the generation is cancelled after the orphan grace."""
+    seen = recorded(stack)
+    body = chat_body(stream=True, max_tokens=200, sim={"tokens_per_second": 20})
+    headers = {**AUTH_A, "Idempotency-Key": "gone"}
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    await first.content.readuntil(b"\n\n")
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    await second.content.readuntil(b"\n\n")
+    first.close()
+    second.close()
+    assert await until(lambda: len(seen) == 1, timeout=5.0)
+    assert seen[0].status == 499
+    call = seen[0].call
+    assert call is not None and 0 < (call.usage.completion_tokens or 0) < 200
+    assert len(stack.app[FLIGHTS]) == 0
+
+
+async def test_unmarked_identical_body_runs_separately_while_first_is_connected(
+    stack: Stack,
+) -> None:
+    """Two connected clients sending the same body each get their own generation."""
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    await first.content.readuntil(b"\n\n")
+    second = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    assert "Idempotent-Replayed" not in second.headers
+    await asyncio.gather(first.read(), second.read())
+    assert generations(stack) == 2
+
+
+async def test_unmarked_resend_attaches_to_orphaned_generation(stack: Stack) -> None:
+    """An unmarked resend after an SDK's non-streamed request lost its client attaches to it."""
+    body = chat_body(max_tokens=30, sim=SLOW)
+    sdk = {**AUTH_A, "x-stainless-retry-count": "0"}
+    first = asyncio.ensure_future(stack.client.post(CHAT, json=body, headers=sdk))
+    assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+    await asyncio.sleep(0.3)
+    first.cancel()
+    await asyncio.sleep(0.2)
+    second = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    assert second.status == 200
+    assert second.headers.get("Idempotent-Replayed") == "true"
+    assert (await second.json())["usage"]["completion_tokens"] == 30
+    assert generations(stack) == 1
+    assert matches(stack, "resend", "attach") == 1
+
+
+async def test_stream_without_key_is_cancelled_when_its_client_leaves(
+    aiohttp_client: Any,
+) -> None:
+    """A stream without a key is aborted at the engine as soon as its client leaves: no grace."""
+    async with open_stack(aiohttp_client, {"retries": {"orphan_grace_s": 60}}) as stack:
+        seen = recorded(stack)
+        body = chat_body(stream=True, max_tokens=200, sim={"tokens_per_second": 20})
+        first = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+        await first.content.readuntil(b"\n\n")
+        first.close()
+        assert await until(lambda: len(seen) == 1, timeout=20)
+        assert seen[0].status == 499
+        assert stack.sim is not None
+        assert await until(lambda: generations(stack) == 1)
+        assert [r["outcome"] for r in stack.sim.model_records()] == ["aborted"]
+
+
+async def test_queued_leader_leaving_keeps_its_place_for_the_attached(aiohttp_client: Any) -> None:
+    """A queued stream whose client left while a retry with its key waits: the retry keeps the
+    place and gets the queued stream's every byte, from one generation."""
+    config = {"engine": {"queued_comment_after_s": 0.1}, "server": {"sse_keepalive_s": 0.1}}
+    async with open_stack(aiohttp_client, config) as stack:
+        blocker = chat_body(max_tokens=20, sim={"tokens_per_second": 20, "completion_tokens": 20})
+        hold = asyncio.ensure_future(stack.client.post(CHAT, json=blocker, headers=AUTH_B))
+        assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+        headers = {**AUTH_A, "Idempotency-Key": "queued"}
+        body = chat_body(stream=True, max_tokens=5, sim={"completion_tokens": 5})
+        first = await stack.client.post(CHAT, json=body, headers=headers)
+        assert b": queued" in await first.content.readuntil(b"\n\n")
+        second = await stack.client.post(CHAT, json=body, headers=headers)
+        first.close()
+        events = sse_data(await second.read())
+        assert events[-1] == "[DONE]"
+        assert (await hold).status == 200
+        assert generations(stack) == 2
+        assert matches(stack, "key", "attach") == 1
+
+
+async def test_bad_idempotency_key_is_400_without_quoting_it(stack: Stack) -> None:
+    """An Idempotency-Key that is too long or not printable ASCII is a 400 that does not quote it."""
+    for value in ("k" * 256, "caf\u00e9"):
+        reply = await stack.client.post(
+            CHAT,
+            json=chat_body(max_tokens=2),
+            headers={**AUTH_A, "Idempotency-Key": value.encode().decode("latin-1")},
+        )
+        assert reply.status == 400
+        error = (await reply.json())["error"]
+        assert error["param"] == "Idempotency-Key" and "kkkk" not in error["message"]
+    assert generations(stack) == 0
+
+
+def test_an_older_ledger_gains_the_attaches_column(tmp_path: Any) -> None:
+    """A ledger file without ``attaches`` gains it at the first open, 0 for its old rows."""
+    path = tmp_path / "usage.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE usage (ts REAL NOT NULL, day TEXT NOT NULL, tenant TEXT NOT NULL, "
+        "key_id TEXT NOT NULL, subject TEXT, endpoint TEXT NOT NULL, status INTEGER NOT NULL, "
+        "prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
+        "reasoning_tokens INTEGER, queue_s REAL, ttft_s REAL, duration_s REAL NOT NULL, "
+        "request_id TEXT NOT NULL, record_id TEXT, engine TEXT);"
+        "INSERT INTO usage VALUES (1, '1970-01-01', 't', 'k', NULL, '/v1/chat/completions', "
+        "200, 1, 1, NULL, NULL, NULL, 0.1, 'old', 'r1', NULL);"
+    )
+    conn.commit()
+    conn.close()
+    opened = ledger.connect(path)
+    rows = opened.execute("SELECT request_id, attaches FROM usage").fetchall()
+    opened.close()
+    assert rows == [("old", 0)]
+
+
+async def test_engine_5xx_is_not_replayed(stack: Stack) -> None:
+    """An engine failure is not kept: the same key runs again."""
+    headers = {**AUTH_A, "Idempotency-Key": "fails"}
+    body = chat_body(max_tokens=8, sim={"error_after": 2})
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    assert first.status >= 500
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    assert second.status >= 500
+    assert "Idempotent-Replayed" not in second.headers
+    assert generations(stack) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_engine_4xx_is_replayed_as_the_same_error(stack: Stack, stream: bool) -> None:
+    """An engine 4xx with a key is kept: the retry gets the same error without the engine."""
+    headers = {**AUTH_A, "Idempotency-Key": f"engine-400-{stream}"}
+    body = chat_body(max_tokens=8, stream=stream, sim={"no_such_fault": 1})
+    first = await stack.client.post(CHAT, json=body, headers=headers)
+    assert first.status == 400
+    error = await first.read()
+    second = await stack.client.post(CHAT, json=body, headers=headers)
+    assert second.status == 400
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert await second.read() == error
+    assert generations(stack) == 1
+    assert len(stack.app[FLIGHTS]) == 1
+    flight = next(iter(stack.app[FLIGHTS]._keys.values()))
+    assert flight.task is None and flight.error is None  # nothing refers to the request
+
+
+async def test_non_streamed_retries_share_one_generation(stack: Stack) -> None:
+    """Non-streamed: a retry while the first runs gets the same answer; one record, attaches 1."""
+    seen = recorded(stack)
+    body = chat_body(max_tokens=20, sim={"tokens_per_second": 20, "completion_tokens": 20})
+    first = asyncio.ensure_future(stack.client.post(CHAT, json=body, headers=AUTH_A))
+    assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+    await asyncio.sleep(0.2)
+    second = await stack.client.post(
+        CHAT, json=body, headers={**AUTH_A, "x-stainless-retry-count": "1"}
+    )
+    one = await (await first).json()
+    two = await second.json()
+    assert one == two
+    assert generations(stack) == 1
+    assert await until(lambda: len(seen) == 1)
+    assert seen[0].call is not None and seen[0].call.attaches == 1
+    accounting = stack.app[ACCOUNTING]
+    assert accounting.ledger is not None
+    accounting.ledger.flush()
+    path = stack.app[ACCOUNTING].ledger.path  # type: ignore[union-attr]
+    rows = sqlite3.connect(path).execute("SELECT attaches FROM usage").fetchall()
+    assert rows == [(1,)]
+
+
+async def test_buffer_is_bounded(aiohttp_client: Any) -> None:
+    """A stream longer than retries.buffer_bytes holds at most the bound; a key then gets 409."""
+    config = {"retries": {"buffer_bytes": 65_536}}
+    async with open_stack(aiohttp_client, config) as stack:
+        headers = {**AUTH_A, "Idempotency-Key": "big"}
+        sim = {"completion_tokens": 400, "token_bytes": 1000, "tokens_per_second": 200}
+        body = chat_body(stream=True, max_tokens=400, sim=sim)
+        first = await stack.client.post(CHAT, json=body, headers=headers)
+        flights = stack.app[FLIGHTS]
+        peak = 0
+        size = 0
+        async for chunk in first.content.iter_any():
+            size += len(chunk)
+            peak = max(peak, flights.bytes)
+        assert size > 300_000
+        assert peak <= 65_536
+        again = await stack.client.post(CHAT, json=body, headers=headers)
+        assert again.status == 409
+        assert (await again.json())["error"]["code"] == "idempotency_replay_unavailable"
+        assert generations(stack) == 1
+
+
+def test_flight_trims_to_its_bound() -> None:
+    """A cut flight keeps only what an attached follower has not written, within the bound."""
+    taken: list[int] = []
+
+    class Budget:
+        def take(self, size: int) -> bool:
+            taken.append(size)
+            return True
+
+        def give(self, size: int) -> None:
+            taken.append(-size)
+
+    flight = Flight(
+        request_id="r",
+        tenant="t",
+        digest=b"d",
+        key=None,
+        stream=True,
+        limit=1000,
+        budget=Budget(),
+        clock=lambda: 0.0,
+    )
+    follower = flight.join()
+    for _ in range(3):
+        flight.sent(b"x" * 252)  # 300 bytes counted each with CHUNK_OVERHEAD_BYTES
+    assert len(flight.pending(follower)) == 756
+    flight.sent(b"x" * 252)
+    flight.sent(b"x" * 252)
+    assert flight.cut and not flight.attachable
+    assert flight.size == 600
+    assert len(flight.pending(follower)) == 504
+    for _ in range(20):
+        flight.sent(b"y" * 252)
+        assert flight.size <= 1000 + 300
+    assert follower.lost
+    assert flight.size <= 1000
+    assert sum(taken) == flight.held() <= 1000
+
+
+DIALECT_BODIES: dict[str, dict[str, Any]] = {
+    CHAT: {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20},
+    "/v1/completions": {"model": ALIAS, "prompt": "hi", "max_tokens": 20},
+    "/v1/responses": {"model": ALIAS, "input": "hi", "max_output_tokens": 20},
+    MESSAGES: {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("route", list(DIALECT_BODIES))
+async def test_every_dialect_attaches_with_a_key(
+    aiohttp_client: Any, route: str, stream: bool
+) -> None:
+    """On each API, streamed or not, a retry with the key while the answer runs gets the same
+    bytes from one generation, and one after it ends gets them replayed; one ledger record."""
+    async with open_stack(aiohttp_client, tokens_per_second=20, completion_tokens=20) as stack:
+        seen = recorded(stack)
+        headers = {**AUTH_A, "Idempotency-Key": f"dialect-{route}"}
+        body = {**DIALECT_BODIES[route], "stream": stream}
+        first = asyncio.ensure_future(stack.client.post(route, json=body, headers=headers))
+        assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+        await asyncio.sleep(0.3)
+        second = await stack.client.post(route, json=body, headers=headers)
+        leader = await first
+        one, two = await leader.read(), await second.read()
+        assert leader.status == second.status == 200
+        assert second.headers["Idempotent-Replayed"] == "true"
+        assert one == two and len(one) > 100
+        third = await stack.client.post(route, json=body, headers=headers)
+        assert await third.read() == one
+        assert generations(stack) == 1
+        assert await until(lambda: len(seen) == 1)
+        assert seen[0].call is not None and seen[0].call.attaches == 1  # the replay came later
+        assert matches(stack, "key", "attach") == matches(stack, "key", "replay") == 1
