@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from gateway.body import read_body
 from gateway.config import ServerSettings
@@ -77,7 +77,7 @@ def held_estimate(raw: bytes) -> int:
 def reading_estimate(content_length: int | None, max_body_bytes: int) -> int:
     """Bytes held while a body is read: twice its ``Content-Length`` (the reads, then the bytes
     joined from them), or of ``max_body_bytes`` for a body without one (chunked), which is
-    known only once read."""
+    known only once read (a compressed body's caller passes None: its decoded size is unknown)."""
     return 2 * (max_body_bytes if content_length is None else content_length)
 
 
@@ -176,10 +176,10 @@ async def read_held(
     request: web.Request, memory: BodyMemory, hold: BodyHold, server: ServerSettings, label: str
 ) -> bytes:
     """Read a model request's body within ``server.bodies_max_bytes``: twice its
-    ``Content-Length`` is taken before reading (of ``max_body_bytes`` for a chunked body); once
-    read, before it is parsed, the `held_estimate` of its parsed form plus its length again (the
-    engine body encoded from it, about as long). The caller releases ``hold`` when the request's
-    bodies are dropped.
+    ``Content-Length`` is taken before reading (of ``max_body_bytes`` for a chunked or compressed
+    body); once read, before it is parsed, the `held_estimate` of its parsed form plus its length
+    again (the engine body encoded from it, about as long). The caller releases ``hold`` when the
+    request's bodies are dropped.
 
     Raises:
         PayloadTooLarge, RequestTimeout, BadRequest: see `gateway.body.read_body`; 413 also for
@@ -188,7 +188,11 @@ async def read_held(
     """
     length = request.content_length
     if length is None or length <= server.max_body_bytes:  # else read_body refuses it unread
-        memory.take(hold, reading_estimate(length, server.max_body_bytes), label)
+        # A compressed body decodes into up to max_body_bytes whatever its Content-Length (30 KB
+        # of gzip is 30 MiB of spaces, held as it arrives): it counts as one of unknown length.
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+        known = length if encoding in ("", "identity") else None
+        memory.take(hold, reading_estimate(known, server.max_body_bytes), label)
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
     memory.take(hold, held_estimate(raw) + len(raw), label)  # parsed, then the engine body
     return raw

@@ -5,8 +5,11 @@ the route's API shape."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import tracemalloc
+import zlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -161,6 +164,41 @@ async def test_a_body_larger_than_the_bound_parsed_is_a_413_in_the_routes_shape(
             headers=headers,
         )
         assert ok.status == 200
+
+
+async def test_a_compressed_body_counts_its_decoded_limit_while_it_uploads(
+    aiohttp_client: Any,
+) -> None:
+    """A gzip body's ``Content-Length`` says nothing of what it decodes into (1 KB here decodes
+    into 900 KB, held as they arrive): while it uploads it counts as twice ``max_body_bytes``,
+    as a chunked body does, and its hold is freed when its client leaves."""
+    config = {"server": {"max_body_bytes": 1 << 20, "bodies_max_bytes": 4 << 20}}
+    async with open_stack(aiohttp_client, config) as stack:
+        memory = stack.client.app[BODY_MEMORY]
+        gzip = zlib.compressobj(9, zlib.DEFLATED, 31)
+        start = gzip.compress(b'{"messages": [{"role": "user", "content": "' + b"a" * 900_000)
+        start += gzip.flush(zlib.Z_SYNC_FLUSH)
+        never = asyncio.Event()
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield start
+            await never.wait()
+
+        headers = {
+            **AUTH_A,
+            "Content-Type": "application/json",
+            "Content-Encoding": "gzip",
+            "Content-Length": str(len(start) + 100),
+        }
+        upload = asyncio.ensure_future(
+            stack.client.post("/v1/chat/completions", data=stalled(), headers=headers)
+        )
+        assert await until(lambda: memory.held > 0)
+        assert memory.held == 2 << 20
+        upload.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await upload
+        assert await until(lambda: memory.held == 0)
 
 
 async def test_past_the_bound_messages_answers_429_for_the_holder_and_529_for_another(

@@ -98,20 +98,21 @@ def test_suspect_finds_what_the_regular_expression_finds(raw: bytes, step: int) 
 
 @pytest.mark.fast
 def test_suspect_costs_a_few_parses_on_digit_runs() -> None:
-    """A body of 299-digit runs is prefiltered in under 20 times its own `json.loads` (the
-    regular expression took 100 times: an 8 MB body held the event loop 4.7 s)."""
+    """A body of 299-digit runs is prefiltered in under 30 times the CPU time of its own
+    `json.loads` (the regular expression took 100 times: an 8 MB body held the event loop
+    4.7 s). CPU time of this process, the best of five, so other processes do not count."""
     raw = json.dumps({"messages": [{"role": "user", "content": ("1" * 299 + " ") * 7000}]}).encode()
 
     def best(run: Any) -> float:
         times = []
-        for _ in range(3):
-            start = time.perf_counter()
+        for _ in range(5):
+            start = time.process_time()
             run()
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
         return min(times)
 
     assert not _suspect(raw)
-    assert best(lambda: _suspect(raw)) < 20 * best(lambda: json.loads(raw))
+    assert best(lambda: _suspect(raw)) < 30 * best(lambda: json.loads(raw))
 
 
 # --------------------------------------------------------------- the model path, random bodies
