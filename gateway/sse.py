@@ -143,7 +143,7 @@ class SseRelay:
         buf = self._buf + data if self._buf else data
         end = buf.rfind(b"\n\n")
         if end < 0:
-            if len(buf) > self._max_event:
+            if self._over_max(buf):
                 raise EventTooLarge(f"an event larger than {self._max_event} bytes")
             self._buf = buf
             return b""
@@ -151,7 +151,7 @@ class SseRelay:
             complete, self._buf = buf, b""
         else:
             complete, self._buf = buf[: end + 2], buf[end + 2 :]
-            if len(self._buf) > self._max_event:
+            if self._over_max(self._buf):
                 raise EventTooLarge(f"an event larger than {self._max_event} bytes")
         if len(complete) > self._max_event and any(
             len(block) > self._max_event for block in complete.split(b"\n\n")
@@ -171,6 +171,12 @@ class SseRelay:
         if fast is not None:
             return fast
         return self._each_event(complete)
+
+    def _over_max(self, rest: bytes) -> bool:
+        """``rest``, an event without its blank line (none inside), is over ``max_event_bytes``;
+        the first newline of its terminator, when a read ended after it, does not count, so an
+        event's size does not depend on where the reads cut it."""
+        return len(rest) - rest.endswith(b"\n") > self._max_event
 
     def _each_event(self, complete: bytes) -> bytes:
         """Relay a run of whole events (ending in a blank line) event by event."""

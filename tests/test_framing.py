@@ -258,3 +258,18 @@ def test_an_event_over_max_event_bytes_stops_each_dialect_whatever_the_reads(
             relay_bytes(dialect, [event[:cut], event[cut:]], max_event=MAX_EVENT)
     with pytest.raises(EventTooLarge):
         relay_bytes(dialect, [chunk({"role": "assistant"}) + event[:-2]], max_event=MAX_EVENT)
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
+def test_an_event_of_exactly_max_event_bytes_passes_whatever_the_reads(
+    ids: Ids, dialect: str, newline: bytes
+) -> None:
+    """An event of exactly ``max_event_bytes`` (its blank line not counted) is relayed whole
+    wherever the engine's reads cut it, between the two newlines of its terminator included."""
+    event = _event_of(MAX_EVENT) + newline + newline
+    whole = relay_bytes(dialect, [event])
+    assert b"x" * (MAX_EVENT // 2) in whole
+    for cut in range(len(event) + 1):
+        ids.reset()
+        assert relay_bytes(dialect, [event[:cut], event[cut:]], max_event=MAX_EVENT) == whole
