@@ -67,7 +67,15 @@ UPSTREAM_ERROR_KINDS = (
     "status_5xx",
     "too_large",
 )
-RATE_LIMITS = ("requests", "tokens", "concurrency", "queue", "tokens_per_day", "tokens_per_month")
+RATE_LIMITS = (
+    "requests",
+    "tokens",
+    "concurrency",
+    "queue",
+    "memory",
+    "tokens_per_day",
+    "tokens_per_month",
+)
 # vLLM's usage has no reasoning count (OpenAI-compatible ``usage``): completion includes it.
 TOKEN_TYPES = ("prompt", "completion")
 RELOAD_RESULTS = ("ok", "error")

@@ -196,9 +196,10 @@ async def test_retry_after_is_honest(replicas: Replicas) -> None:
     for _ in range(120):
         await limiter.reserve(who, 0)
     error = await refused(limiter, who, 0)
-    assert error.retry_after_s == pytest.approx(0.5, abs=0.1)
+    # One request frees every 0.5 s; less is left the longer the 120 requests took.
+    assert 0 < error.retry_after_s <= 0.5
     assert error.headers["Retry-After"] == "1"
-    await asyncio.sleep(int(error.headers["Retry-After"]))
+    await asyncio.sleep(error.retry_after_s + 0.02)
     await limiter.reserve(who, 0)
 
 
@@ -406,20 +407,24 @@ async def test_settlement_during_outage_is_sent_when_redis_returns(
     limiter = replicas.new()
     who = tenant(tpm=600, concurrency=5)
     res = await limiter.reserve(who, 10)
-    redis_server.stop()
-    started = time.monotonic()
-    await limiter.settle(res, 500)
-    assert time.monotonic() - started < 0.2
-    redis_server.start()
-    # The restarted server is empty, so seed the lease as the old server held it.
     client = aioredis.Redis.from_url(redis_server.url)
     try:
-        await client.zadd("t38:rl:{acme}:lease", {res.lease: time.time() + 30})
+        # The server comes back with what it held (its dump, loaded at start), as a restarted
+        # Redis with persistence would: the lease is there before the limiter can reconnect.
+        await client.save()
+        await client.aclose()
+        redis_server.stop()
+        started = time.monotonic()
+        await limiter.settle(res, 500)
+        assert time.monotonic() - started < 0.2
+        redis_server.start()
+        client = aioredis.Redis.from_url(redis_server.url)
         deadline = time.monotonic() + 5
         while (limiter._pending or not limiter.up) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert await client.zcard("t38:rl:{acme}:lease") == 0
+        # 10 reserved, 500 used: 490 more charged, less what leaked out meanwhile (10 a second).
         level = float(await client.hget("t38:rl:{acme}:tok", "l") or 0)
-        assert level == pytest.approx(490, abs=1)
+        assert 470 <= level <= 500
     finally:
         await client.aclose()
