@@ -81,7 +81,7 @@ class ServerSettings:
     tls_key_file: str = ""
     plain_http: bool = False
     sse_keepalive_s: float = 5.0
-    sse_progress_event_s: float = 60.0
+    sse_progress_event_s: float = 15.0
 
 
 @dataclass(frozen=True)

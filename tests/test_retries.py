@@ -235,6 +235,23 @@ async def test_unmarked_identical_body_runs_separately_while_first_is_connected(
     assert generations(stack) == 2
 
 
+@pytest.mark.parametrize("first_headers", [AUTH_A, {**AUTH_A, "x-stainless-retry-count": "0"}])
+async def test_unmarked_identical_non_streamed_body_runs_separately_while_first_is_connected(
+    stack: Stack, first_headers: dict[str, str]
+) -> None:
+    """Non-streamed, too: a second client sending the same body while the first one still waits
+    for its answer gets its own generation, not a replay of the first one's."""
+    body = chat_body(max_tokens=30, sim=SLOW)
+    first = asyncio.ensure_future(stack.client.post(CHAT, json=body, headers=first_headers))
+    assert await until(lambda: len(stack.app[FLIGHTS]) == 1 or generations(stack) == 1)
+    second = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+    assert second.status == 200
+    assert "Idempotent-Replayed" not in second.headers
+    assert (await second.json())["usage"]["completion_tokens"] == 30
+    assert (await first).status == 200
+    assert generations(stack) == 2
+
+
 async def test_unmarked_resend_attaches_to_orphaned_generation(stack: Stack) -> None:
     """An unmarked resend after an SDK's non-streamed request lost its client attaches to it."""
     body = chat_body(max_tokens=30, sim=SLOW)
