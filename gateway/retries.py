@@ -54,7 +54,7 @@ from gateway.config import RetriesSettings
 from gateway.errors import BadGateway, BadRequest, ClientError, GatewayError
 from gateway.flight import ENTRY_OVERHEAD_BYTES, Flight, Follower
 from gateway.relay import TAP
-from gateway.state import METRICS, ModelCall
+from gateway.state import BODY_MEMORY, METRICS, ModelCall
 
 log = structlog.get_logger("gateway.retries")
 
@@ -401,8 +401,10 @@ async def follow(
 ) -> web.StreamResponse:
     """Answer ``call`` from ``flight``: its recorded answer from the first byte, then live.
 
-    The request holds no slot, reservation or ledger record of its own (``context.call`` is
-    cleared); its access line says ``reason="retry_attached"`` or ``"retry_replayed"``.
+    The request holds no slot, reservation, body memory or ledger record of its own
+    (``context.call`` is cleared, so `gateway.middleware.finish_request`, which releases a
+    leader's body hold, never sees this one: it is released here); its access line says
+    ``reason="retry_attached"`` or ``"retry_replayed"``.
 
     Raises:
         GatewayError: the error the flight's leader got before any response (replayed).
@@ -412,6 +414,8 @@ async def follow(
     outcome = "replay" if flight.done else "attach"
     request.app[FLIGHTS].matches.labels(match, outcome).inc()
     context.call = None
+    if call.body_hold is not None:
+        request.app[BODY_MEMORY].release(call.body_hold)
     context.reason = "retry_attached" if outcome == "attach" else "retry_replayed"
     structlog.contextvars.bind_contextvars(attached_to=flight.request_id)
     log.info(

@@ -18,7 +18,7 @@ import pytest
 from gateway import ledger
 from gateway.flight import Flight
 from gateway.retries import FLIGHTS
-from gateway.state import ACCOUNTING, FINISH_HOOKS, METRICS, RequestContext
+from gateway.state import ACCOUNTING, BODY_MEMORY, FINISH_HOOKS, METRICS, RequestContext
 from tests.conftest import ALIAS, KEY_B
 from tests.inprocess import AUTH_A, Stack, chat_body, open_stack, sse_data, until
 
@@ -74,6 +74,42 @@ async def test_idempotency_key_replays_finished_answer(stack: Stack) -> None:
     assert generations(stack) == 1
     assert len(seen) == 1
     assert matches(stack, "key", "replay") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_attached_and_replayed_requests_leave_no_body_memory_held(
+    stack: Stack, stream: bool
+) -> None:
+    """A follower's body hold is released when it ends, like a leader's: after a replay, an
+    attach by key and an SDK retry's attach, ``gateway_body_memory_bytes`` is back at 0 (each
+    follower used to keep its body's estimate for good, until the bound refused everyone)."""
+    memory = stack.app[BODY_MEMORY]
+    headers = {**AUTH_A, "Idempotency-Key": f"held-{stream}"}
+    body = chat_body(stream=stream, max_tokens=30, sim=SLOW)
+    first = asyncio.ensure_future(stack.client.post(CHAT, json=body, headers=headers))
+    assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+    await asyncio.sleep(0.2)
+    attached = await stack.client.post(CHAT, json=body, headers=headers)
+    await attached.read()
+    await (await first).read()
+    replayed = await stack.client.post(CHAT, json=body, headers=headers)
+    await replayed.read()
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    sdk = chat_body(stream=False, max_tokens=31, sim=SLOW)
+    leader = asyncio.ensure_future(
+        stack.client.post(CHAT, json=sdk, headers={**AUTH_A, "x-stainless-retry-count": "0"})
+    )
+    assert await until(lambda: len(stack.app[FLIGHTS]) == 2)
+    await asyncio.sleep(0.2)
+    retry = await stack.client.post(
+        CHAT, json=sdk, headers={**AUTH_A, "x-stainless-retry-count": "1"}
+    )
+    await retry.read()
+    await (await leader).read()
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert generations(stack) == 2
+    assert matches(stack, "key", "attach") == 1 and matches(stack, "sdk_retry", "attach") == 1
+    assert await until(lambda: memory.held == 0)
 
 
 async def test_reused_key_with_another_body_is_409_in_each_dialect(stack: Stack) -> None:
