@@ -35,7 +35,7 @@ from tests.test_quarantine import Restarter
 from tests.test_ratelimit_redis import REDIS_SERVER, RedisServer
 
 # Minutes, mostly waiting for processes (tests/README.md, "Layers").
-pytestmark = pytest.mark.slow(200)
+pytestmark = pytest.mark.slow(48)
 
 SALT = "QWEN38_CACHE_SALT_SECRET=fleet-test-salt-secret-0123456789abcdef\n"
 

@@ -48,7 +48,7 @@ pytestmark = [
     pytest.mark.skipif(PG_BIN is None, reason="PostgreSQL binaries not found (.ci/run)"),
     pytest.mark.skipif(HAPROXY is None, reason="haproxy not installed (.ci/run)"),
     pytest.mark.timeout(300),
-    pytest.mark.slow(150),
+    pytest.mark.slow(43),
 ]
 
 SALT = "QWEN38_CACHE_SALT_SECRET=fleet-e2e-salt-secret-0123456789abcdef\n"

@@ -19,7 +19,7 @@ import pytest
 from gateway.ledger import RECORD_BYTES
 from tests.conftest import ALIAS, KEY_A, KEY_B, Gateway, wait_until
 
-pytestmark = pytest.mark.slow(120)
+pytestmark = pytest.mark.slow(46)
 
 MIB = 1024 * 1024
 # What a gateway's RSS moves by without any held data: allocator arenas, a request's own
