@@ -43,11 +43,13 @@ STORE = web.AppKey("responses_store", ResponseStore)
 _ID_RE = re.compile(r"resp_[0-9a-f]{24}")
 
 
-def _not_found(response_id: str) -> NotFound:
-    """404 for an id the caller has no stored response under; the id is quoted when it has the
-    shape of this server's ids (`gateway.translate.common.new_id`), else only when `quotable`."""
+def _not_found(response_id: str, param: str = "response_id") -> NotFound:
+    """404 for an id the caller has no stored response under, naming where it came from
+    (``param``: the route's ``response_id``, or the body's ``previous_response_id``); the id is
+    quoted when it has the shape of this server's ids (`gateway.translate.common.new_id`), else
+    only when `quotable`."""
     shown = response_id if _ID_RE.fullmatch(response_id) else quotable(response_id)
-    return NotFound(f"Response with id '{shown}' not found.", param="response_id")
+    return NotFound(f"Response with id '{shown}' not found.", param=param)
 
 
 def make_store(settings: Settings, clock: Any) -> ResponseStore:
@@ -77,7 +79,7 @@ def responses_dialect(store: ResponseStore) -> Dialect:
                 )
             entry = store.get(given.tenant.name, previous)
             if entry is None:
-                raise _not_found(previous)
+                raise _not_found(previous, "previous_response_id")
             history = [*entry.input_items, *entry.response.get("output", [])]
             # The conversation it continues is held decoded and in the engine body.
             held_extra = entry.size + held_estimate(entry.input_json + entry.response_json)

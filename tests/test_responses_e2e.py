@@ -178,14 +178,16 @@ def test_codex_recorded_request_replayed(gw: Gateway) -> None:
 
 
 def test_stored_responses_are_tenant_scoped(gw: Gateway) -> None:
-    """A stored response: retrievable and chainable by its tenant, 404 for another, deletable."""
+    """A stored response: retrievable and chainable by its tenant, 404 for another (naming
+    ``previous_response_id`` when the body's id is unknown), deletable."""
     a, b = client(gw, KEY_A), client(gw, KEY_B)
     first = a.responses.create(model="qwen3.8-27b", input="Remember 42.", store=True)
     assert a.responses.retrieve(first.id).id == first.id
     with pytest.raises(openai.NotFoundError):
         b.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as unknown:
         b.responses.create(model="qwen3.8-27b", input="What number?", previous_response_id=first.id)
+    assert unknown.value.param == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         b.responses.delete(first.id)
     a.responses.create(model="qwen3.8-27b", input="What number?", previous_response_id=first.id)
