@@ -20,10 +20,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from typing import Any
 
 import structlog
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
 from gateway.config import UNKNOWN_TENANT
@@ -161,6 +162,20 @@ class GatewayRequestHandler(RequestHandler):
             return super().handle_error(request, status, exc, None)  # raises ConnectionError
         app = getattr(self._manager, "gateway_app", None)
         return error_response(app, request, error_for(exc, status), "malformed_http", exc)
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        """aiohttp's log of an exception on a connection, quieter for a request body at fault.
+
+        After an answer, aiohttp reads what is left of an unread body before it reuses the
+        connection; a body that failed its ``Content-Encoding`` (the 400 went out already) or
+        broke its framing raises `RequestPayloadError` there, which aiohttp logs at error level
+        with a traceback: one debug line instead, since any client can send one. Anything else
+        is logged as aiohttp does.
+        """
+        if isinstance(kw.get("exc_info"), RequestPayloadError):
+            events.debug("request_body_unreadable_after_answer")
+            return
+        super().log_exception(*args, **kw)
 
 
 class _Server(web.Server):

@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,23 @@ def test_c28_low_level_errors_answer_in_the_route_envelope(gw: Gateway, name: st
     assert b"sk-q38" not in body and b"\xed" not in body
     lines = [e for e in gw.access_logs() if e.get("request_id") == request_id]
     assert [e["status"] for e in lines] == [status]
+
+
+@pytest.mark.parametrize("dialect", ["chat", "messages"])
+def test_c28_a_body_that_fails_its_content_encoding_is_one_400_and_one_line(
+    gw: Gateway, dialect: str
+) -> None:
+    """A body labelled gzip that is not: a 400 in the route's shape, one access line and no
+    error line or traceback (aiohttp's read of the rest of the body after the answer used to
+    log one at error level)."""
+    before = len(gw.logs())
+    r = send(gw, dialect, b"not gzip at all", **{"Content-Encoding": "gzip"})
+    assert r.status_code == 400
+    assert "Content-Encoding" in error_message(dialect, r)
+    time.sleep(0.5)  # the connection's own handling ends after the answer
+    after = gw.logs()[before:]
+    assert [e["status"] for e in after if e.get("event") == "request"] == [400]
+    assert not [e for e in after if e.get("level") == "error" or "exception" in e], after
 
 
 def test_c28_an_expectation_nobody_meets_is_ignored_on_every_route(gw: Gateway) -> None:
