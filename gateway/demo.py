@@ -22,7 +22,8 @@ from gateway.config import Settings, load_settings
 
 
 def demo_config(workdir: Path, host: str, port: int, metrics_port: int, engines: int = 1) -> str:
-    """The demo's gateway.toml: a private socket, keys file and ledger under ``workdir``,
+    """The demo's gateway.toml: a private socket, keys file, ledger and quarantine state under
+    ``workdir`` (nothing of the demo outlives it or touches a deployment's ``/var/lib/qwen38``),
     generous limits. Written to ``workdir/gateway.toml`` so that the commands the demo prints
     (``keys add --wait``, ``usage report``) find this gateway, its keys file and its ledger with
     ``--config`` alone.
@@ -58,6 +59,9 @@ keys_file = {json.dumps(str(workdir / "api-keys.env"))}
 
 [ledger]
 path = {json.dumps(str(workdir / "usage.sqlite3"))}
+
+[quarantine]
+state_file = {json.dumps(str(workdir / "quarantine.json"))}
 
 [tenants.default]
 rpm = 600

@@ -19,6 +19,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from gateway.demo import demo_settings
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "qwen3.8-27b"
 WEATHER = {
@@ -188,6 +190,17 @@ def test_demo_required_and_named_tool_choice_stream(demo: Demo) -> None:
                     arguments += (delta.function and delta.function.arguments) or ""
         assert (names, finish) == ([name], reason)
         assert isinstance(json.loads(arguments), dict)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("engines", [1, 2])
+def test_demo_keeps_every_file_under_its_own_directory(tmp_path: Path, engines: int) -> None:
+    """The demo's sockets, keys file, ledger and quarantine state are all under its directory,
+    which it removes on exit (its quarantine state used to go to /var/lib/qwen38 and stay)."""
+    settings = demo_settings(tmp_path, "127.0.0.1", 8000, 9400, engines)
+    files = [settings.auth.keys_file, settings.ledger.path, settings.quarantine.state_file]
+    files += [spec.socket or "" for spec in settings.engine_specs]
+    assert all(Path(f).parent == tmp_path for f in files), files
 
 
 @pytest.mark.parametrize("taken", ["--port", "--metrics-port"])
