@@ -223,6 +223,11 @@ def write_keys(path: Path, keys: dict[str, tuple[str, str]], extra: str = "") ->
     os.replace(tmp, path)
 
 
+# Starts of a gateway whose ports `free_port` picked: another process may bind one between the
+# pick and the gateway's own bind (many servers start side by side under pytest-xdist).
+PORT_ATTEMPTS = 3
+
+
 def start_gateway(
     workdir: Path,
     sim: Sim | None,
@@ -233,11 +238,39 @@ def start_gateway(
     name: str = "gw",
     env: dict[str, str] | None = None,
 ) -> Gateway:
-    """Start ``python -m gateway serve`` with a generated config merged over test defaults."""
-    port, metrics_port = free_port(), free_port()
+    """Start ``python -m gateway serve`` with a generated config merged over test defaults.
+
+    The ports a test does not fix are picked by `free_port`; a gateway that cannot listen
+    because one of them was taken meanwhile is started again on new ones (`PORT_ATTEMPTS`).
+
+    Raises:
+        RuntimeError: the gateway exited or did not become ready in 20 s (its log's end).
+    """
     keys_file = workdir / f"{name}-keys.env"
     if not keys_file.exists():
         write_keys(keys_file, DEFAULT_KEYS if keys is None else keys)
+    fixed = any("port" in (config or {}).get(section, {}) for section in ("server", "metrics"))
+    for _ in range(PORT_ATTEMPTS - 1):
+        try:
+            return _launch_gateway(workdir, sim, config, keys_file, wait_ready, name, env)
+        except RuntimeError as exc:
+            taken = "cannot listen" in str(exc) and "address already in use" in str(exc)
+            if fixed or not taken:
+                raise
+    return _launch_gateway(workdir, sim, config, keys_file, wait_ready, name, env)
+
+
+def _launch_gateway(
+    workdir: Path,
+    sim: Sim | None,
+    config: dict[str, Any] | None,
+    keys_file: Path,
+    wait_ready: bool,
+    name: str,
+    env: dict[str, str] | None,
+) -> Gateway:
+    """One start of `start_gateway` on newly picked ports."""
+    port, metrics_port = free_port(), free_port()
     base: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port, "shutdown_grace_s": 5.0},
         "metrics": {"host": "127.0.0.1", "port": metrics_port, "engine_scrape_cache_s": 0.0},

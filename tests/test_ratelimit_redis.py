@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from gateway.errors import RateLimited
 from gateway.limiter import create_rate_limiter
 from gateway.metrics import Metrics
 from gateway.ratelimit_redis import RedisRateLimiter
+from tests.conftest import PORT_ATTEMPTS, free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -31,25 +33,41 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RedisServer:
-    """A throwaway ``redis-server`` on a loopback port, without persistence."""
+    """A throwaway ``redis-server`` on a loopback port, without persistence.
+
+    The port is picked by `free_port`; a first start that finds it taken meanwhile (another
+    server started beside this one) moves to a new one (`PORT_ATTEMPTS`), and the server counts
+    as up only when the process answering on the port is this one. A restart keeps the port
+    (its clients' URL).
+    """
 
     def __init__(self, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        """Start the server and wait until it answers (10 s at most)."""
+        for attempt in range(1 if self.started else PORT_ATTEMPTS):
+            if attempt:
+                self.port = free_port()
+            if self._run():
+                self.started = True
+                return
+            if self.proc is not None and self.proc.poll() is None:
+                break  # running but not answering: no new port helps
+        self.stop()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def _run(self) -> bool:
+        """Start the process; True once it answers on the port, False if it exited (the port
+        was taken) or did not answer within 10 s."""
         assert REDIS_SERVER is not None
         self.proc = subprocess.Popen(
             [
@@ -64,17 +82,26 @@ class RedisServer:
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn,
-            ):
-                conn.sendall(b"PING\r\n")
-                if conn.recv(16).startswith(b"+PONG"):
-                    return
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if self._pid_on_port() == self.proc.pid:
+                return True
             time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
+        return False
+
+    def _pid_on_port(self) -> int | None:
+        """The process id of the redis-server answering on the port (``INFO server``), or None."""
+        reply = b""
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn,
+        ):
+            conn.sendall(b"INFO server\r\n")
+            while chunk := conn.recv(4096):
+                reply += chunk
+                found = re.search(rb"\r\nprocess_id:(\d+)\r\n", reply)
+                if found:
+                    return int(found.group(1))
+        return None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -359,7 +386,7 @@ async def test_redis_killed_mid_test_falls_back_and_recovers(
 async def test_redis_unreachable_from_start(tmp_path: Path) -> None:
     """No Redis at all: start() reports it down and requests run under local limits."""
     metrics = Metrics(CollectorRegistry())
-    url = f"redis://127.0.0.1:{_free_port()}/0"
+    url = f"redis://127.0.0.1:{free_port()}/0"
     limiter = RedisRateLimiter(settings_for(url, timeout_s=0.2), metrics)
     try:
         with capture_logs() as logs:
