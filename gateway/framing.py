@@ -30,8 +30,13 @@ def named_event(name: str, payload: bytes) -> bytes:
 
 
 def compact_json(data: Any) -> bytes:
-    """``data`` as compact UTF-8 JSON (no spaces, non-ASCII as is): one SSE data line."""
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    """``data`` as compact UTF-8 JSON (no spaces, non-ASCII as is): one SSE data line.
+
+    A lone surrogate, which UTF-8 cannot carry (a string can only hold one from a ``\\ud83d``
+    escape the engine's JSON sent), stays that JSON escape.
+    """
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return text.encode("utf-8", "backslashreplace")
 
 
 def json_event(name: str | None, data: Any) -> bytes:

@@ -172,11 +172,15 @@ class Meter:
         return None
 
     def completion_so_far(self) -> int:
-        """The completion tokens a cut request is known to have cost before `settle`."""
-        if self.generated is not None:
-            return self.generated.completion_tokens
-        if self.streamed is not None:
-            return self.streamed.completion_tokens
+        """The completion tokens a cut request is known to have cost before `settle`, by the
+        same rule as `settle`: the counter delta unless it is below what was streamed (then
+        not this request's counts), else the streamed count, else the content events."""
+        streamed = self.streamed.completion_tokens if self.streamed is not None else None
+        generated = self.generated
+        if generated is not None and generated.completion_tokens >= (streamed or 0):
+            return generated.completion_tokens
+        if streamed is not None:
+            return streamed
         return self.streamed_events
 
     def settle(self, prompt_estimate: int, sequences: int = 1) -> tuple[int, int]:

@@ -65,16 +65,15 @@ def test_comments_are_not_events_for_clients() -> None:
     assert decode([data], AnthropicDecoder()) == [("ping", '{"type":"ping"}')]
 
 
+# Strings with lone surrogates too (what ``json.loads`` makes of a ``\\ud83d`` escape).
+_text = st.text(st.characters() | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF))
 _json: st.SearchStrategy[Any] = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(2**63), 2**63)
     | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(alphabet=st.characters(blacklist_categories=("Cs",))),
-    lambda inner: (
-        st.lists(inner, max_size=4)
-        | st.dictionaries(st.text(alphabet=st.characters(blacklist_categories=("Cs",))), inner)
-    ),
+    | _text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_text, inner),
     max_leaves=12,
 )
 _names = st.none() | st.sampled_from(
@@ -90,9 +89,10 @@ _names = st.none() | st.sampled_from(
 def test_any_json_is_one_event_the_sdks_read_back_whatever_the_reads(
     events: list[tuple[str | None, Any]], cuts: list[int]
 ) -> None:
-    """Any JSON value, named or not, framed one after another and cut into arbitrary reads
-    (inside UTF-8 characters and terminators too): the `openai` and `anthropic` decoders give
-    back each event's name and exactly its value, one data line each."""
+    """Any JSON value (lone surrogates in strings included), named or not, framed one after
+    another and cut into arbitrary reads (inside UTF-8 characters and terminators too): the
+    `openai` and `anthropic` decoders give back each event's name and exactly its value, one
+    data line each."""
     data = b"".join(json_event(name, value) for name, value in events)
     points = sorted({cut % (len(data) + 1) for cut in cuts})
     reads = [data[a:b] for a, b in itertools.pairwise([0, *points, len(data)])]
@@ -233,6 +233,17 @@ def test_each_dialects_stream_is_framed_the_same_whatever_the_engines_reads(
         assert names[0] == "response.created" and names[-1] == "response.completed"
     else:
         assert set(names) == {None}
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+def test_a_lone_surrogate_escape_from_the_engine_reaches_the_client_as_sent(dialect: str) -> None:
+    """Text with an escaped lone surrogate (``\\ud83d``, which UTF-8 cannot carry) is relayed by
+    every dialect as the same JSON escape, not a failed stream."""
+    text = chunk({"content": "a-b"}).replace(b"a-b", b"a\\ud83db")
+    out = relay_bytes(dialect, [chunk({"role": "assistant", "content": ""}), text, DONE])
+    assert b"\\ud83d" in out
+    texts = [json.loads(data) for _, data in decode([out]) if data != "[DONE]"]
+    assert "a\ud83db" in json.dumps(texts, ensure_ascii=False)
 
 
 def _event_of(size: int) -> bytes:

@@ -243,6 +243,17 @@ def test_a_counter_delta_below_what_was_streamed_is_not_this_requests() -> None:
     assert (meter.source, meter.generated) == ("streamed", None)
 
 
+def test_the_completion_charged_before_settling_drops_a_delta_below_the_streamed_count() -> None:
+    """`Meter.completion_so_far` (the engine slot's charge, before the prompt is counted) takes
+    a delta below the streamed count as another reading's, as `Meter.settle` does."""
+    meter = Meter(reached_engine=True)
+    meter.record_stream(None, streamed((7, None), prompt=0), content_events=7)
+    meter.generated = Generated(prompt_tokens=0, completion_tokens=2)
+    assert meter.engine_prompt() is None
+    assert meter.completion_so_far() == 7
+    assert meter.settle(prompt_estimate=500)[1] == 7
+
+
 def test_a_cut_non_streamed_request_takes_its_prompt_from_the_delta_with_one_sequence() -> None:
     """Nothing streamed: the counter delta gives both counts when n=1."""
     meter = Meter(reached_engine=True)
@@ -310,12 +321,13 @@ def test_settled_counts_follow_the_documented_rules(
 ) -> None:
     """Any call: nothing when it never reached the engine or was refused there, the final usage
     exactly when it came, and a cut is never charged less completion than was streamed, the
-    delta when it is at least that, and never another prompt than the engine's or the
-    estimate; settle is idempotent."""
+    delta when it is at least that (`Meter.completion_so_far` saying the same before), and
+    never another prompt than the engine's or the estimate; settle is idempotent."""
     running = streamed(*choices, prompt=stream_prompt) if choices is not None else None
     meter = Meter(reached_engine=reached, rejected=rejected, generated=delta)
     meter.record_stream(final, running, events)
     cut = meter.cut
+    so_far = meter.completion_so_far()
     charged = meter.settle(estimate, sequences)
     assert meter.settle(estimate + 1, sequences + 1) == charged
     prompt, completion = charged
@@ -329,6 +341,7 @@ def test_settled_counts_follow_the_documented_rules(
     assert cut
     shown = running.completion_tokens if running is not None else 0
     assert completion >= shown
+    assert so_far == completion  # what the engine slot is charged before settling agrees
     if delta is not None and delta.completion_tokens >= shown:
         assert completion == delta.completion_tokens
     elif running is not None:
