@@ -133,7 +133,10 @@ def create_app(
     )
     admission = app[ADMISSION]
     app[BODY_MEMORY] = BodyMemory(
-        settings.server.bodies_max_bytes, metrics, lambda: 1.0 / admission.drain_rate
+        settings.server.bodies_max_bytes,
+        metrics,
+        lambda: 1.0 / admission.drain_rate,
+        upload_idle_s=settings.server.body_timeout_s,
     )
     app[FORECASTER] = Forecaster(metrics, clock)
     app[FORECASTER].export(settings.deadline)

@@ -9,7 +9,7 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
@@ -24,8 +24,16 @@ from gateway.validate import MAX_INT_DIGITS, find_unsendable
 log = structlog.get_logger("gateway")
 
 
-async def read_body(request: web.Request, limit: int, idle_timeout: float) -> bytes:
+async def read_body(
+    request: web.Request,
+    limit: int,
+    idle_timeout: float,
+    received: Callable[[int], None] | None = None,
+) -> bytes:
     """The request body, reading no further than ``limit`` bytes (case C16).
+
+    ``received`` is called with the bytes received so far (after any ``Content-Encoding`` is
+    undone) each time a read adds to them, before they are kept; what it raises ends the read.
 
     Raises:
         PayloadTooLarge: ``Content-Length`` or the bytes received exceed ``limit`` (after any
@@ -39,27 +47,35 @@ async def read_body(request: web.Request, limit: int, idle_timeout: float) -> by
     chunks: list[bytes] = []
     size = 0
     content = request.content
-    while True:
-        try:
-            if content.is_eof():  # the rest is buffered already: no wait, no timer task
-                chunk = await content.readany()
-            else:
-                chunk = await asyncio.wait_for(content.readany(), idle_timeout)
-        except asyncio.TimeoutError:
-            raise RequestTimeout(
-                f"The request body stopped arriving for {idle_timeout:g} s.",
-                headers={"Connection": "close"},
-            ) from None
-        except (HttpProcessingError, RequestPayloadError):
-            raise BadRequest(
-                "The request body could not be decoded with its Content-Encoding."
-            ) from None
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        while True:
+            try:
+                if content.is_eof():  # the rest is buffered already: no wait, no timer task
+                    chunk = await content.readany()
+                else:
+                    chunk = await asyncio.wait_for(content.readany(), idle_timeout)
+            except asyncio.TimeoutError:
+                raise RequestTimeout(
+                    f"The request body stopped arriving for {idle_timeout:g} s.",
+                    headers={"Connection": "close"},
+                ) from None
+            except (HttpProcessingError, RequestPayloadError):
+                raise BadRequest(
+                    "The request body could not be decoded with its Content-Encoding."
+                ) from None
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            if received is not None:
+                received(size)
+            chunks.append(chunk)
+    except BaseException:
+        # A refused body's traceback holds this frame until the cycle collector runs: the
+        # bytes read so far go now, as the hold that counted them does.
+        chunks.clear()
+        raise
     return b"".join(chunks)
 
 

@@ -10,9 +10,13 @@ to 19 times what it says (case C27's kind). `held_estimate` is an upper estimate
 objects from the bytes alone, made before the body is parsed, in a few passes at C speed;
 `BodyMemory` admits a request only while the holds of every model request in the process
 (reading, waiting in the queue, at an engine) fit the bound, so a flood of large or
-parse-expensive bodies is refused at the door instead of growing the process. The bytes and the
-decoded text of a body live only while it is parsed and planned, one body at a time (that
-stretch never awaits), so at most one body's ``2 x max_body_bytes`` is held beside the bound.
+parse-expensive bodies is refused at the door instead of growing the process. A body being read
+holds what has arrived of it, counted as it arrives, never what its ``Content-Length`` promises:
+a client that sends headers with a huge length and then nothing (or a byte a minute) holds only
+what it sent, and one tenant's uploads in progress together hold at most its weighted share of
+the bound. The bytes and the decoded text of a body live only while it is parsed and planned,
+one body at a time (that stretch never awaits), so at most one body's ``2 x max_body_bytes`` is
+held beside the bound.
 """
 
 from __future__ import annotations
@@ -21,11 +25,17 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from gateway.body import read_body
 from gateway.config import ServerSettings
-from gateway.errors import EngineUnavailable, PayloadTooLarge, RateLimited, retry_after_header
+from gateway.errors import (
+    EngineUnavailable,
+    GatewayError,
+    PayloadTooLarge,
+    RateLimited,
+    retry_after_header,
+)
 from gateway.metrics import Metrics
 
 # A string's characters take 1, 2 or 4 bytes each in CPython (PEP 393: the widest character
@@ -74,20 +84,15 @@ def held_estimate(raw: bytes) -> int:
     )
 
 
-def reading_estimate(content_length: int | None, max_body_bytes: int) -> int:
-    """Bytes held while a body is read: twice its ``Content-Length`` (the reads, then the bytes
-    joined from them), or of ``max_body_bytes`` for a body without one (chunked), which is
-    known only once read (a compressed body's caller passes None: its decoded size is unknown)."""
-    return 2 * (max_body_bytes if content_length is None else content_length)
-
-
 @dataclass
 class BodyHold:
-    """One request's share of the bound: its tenant and the bytes it holds now."""
+    """One request's share of the bound: its tenant, the bytes it holds now, and whether its
+    body is still arriving (`BodyMemory.reading`)."""
 
     tenant: str
     weight: float
     size: int = 0
+    reading: bool = False
 
 
 class BodyMemory:
@@ -99,31 +104,70 @@ class BodyMemory:
             ``gateway_rate_limited_total{limit="memory"}`` (refusals of a tenant at its share).
         per_request_s: the expected seconds until one request at the engines finishes (what
             frees memory): the admission queue's ``1 / drain_rate``, for ``Retry-After``.
+        upload_idle_s: ``server.body_timeout_s``, the longest an upload that stopped sending
+            holds its bytes before it is refused (408), for ``Retry-After``.
 
     A request that would take the total past ``limit`` is refused as a full queue is: 429
     ``memory`` when its tenant already holds at least its weighted share of the bound (its own
     backlog is the cause), else 503 (the gateway is saturated); one whose estimate alone exceeds
-    the bound is a 413, since it could never be held.
+    the bound is a 413, since it could never be held. While bodies arrive, a tenant's uploads
+    together may hold at most its weighted share of the bound, the other tenants holding now
+    counted at no less than weight 1 (a tenant of weight 1 alone: half), else 429 ``memory``;
+    one upload alone may grow to the bound. ``Retry-After`` is the time for requests at the
+    engines to finish (`per_request_s`, scaled by the tenant's share for a 429) when the bodies
+    already read hold at least the bytes that must free for this one; else those bytes are held
+    by uploads still arriving, which free only when they end or stall for ``upload_idle_s``,
+    and ``Retry-After`` is that.
     """
 
-    def __init__(self, limit: int, metrics: Metrics, per_request_s: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        limit: int,
+        metrics: Metrics,
+        per_request_s: Callable[[], float],
+        *,
+        upload_idle_s: float,
+    ) -> None:
         self.limit = limit
         self.held = 0
+        self.reading = 0  # of `held`, by bodies still arriving
         self._metrics = metrics
         self._per_request_s = per_request_s
+        self._upload_idle_s = upload_idle_s
         self._tenants: dict[str, BodyHold] = {}  # tenant -> bytes held and its weight
         self._weights: dict[str, float] = {}
+        self._reading: dict[str, int] = {}  # tenant -> bytes its uploads in progress hold
 
     def take(self, hold: BodyHold, size: int, label: str) -> None:
-        """Set ``hold``'s bytes to ``size``: a request reading its body, then holding it parsed.
+        """Set ``hold``'s bytes to ``size``: a request reading its body (``hold.reading``), then
+        holding it parsed.
 
         Raises:
             PayloadTooLarge: ``size`` alone is over the bound.
-            RateLimited, EngineUnavailable: it does not fit beside what others hold (see the
-                class doc); ``hold`` keeps what it held before.
+            RateLimited, EngineUnavailable: it does not fit beside what others hold, or its
+                tenant's uploads would pass its share (see the class doc); ``hold`` keeps what
+                it held before.
         """
         extra = size - hold.size
-        if extra <= 0 or self.held + extra <= self.limit:
+        if extra <= 0:
+            self._move(hold, extra)
+            return
+        what = f"Request bodies fill this gateway's memory bound ({self.limit} bytes)"
+        if hold.reading:
+            uploading = self._reading.get(hold.tenant, 0) - hold.size  # its other uploads
+            if uploading > 0:
+                others = max(1.0, self._others(hold.tenant))
+                share = self.limit * hold.weight / (others + hold.weight)
+                if uploading + size > share:
+                    self._metrics.rate_limited.labels(label, "memory").inc()
+                    wait = self._upload_idle_s
+                    raise RateLimited(
+                        "memory",
+                        f"{what}; this tenant's uploads in progress hold its weighted share "
+                        f"of it. Retry in about {retry_after_header(wait)} s.",
+                        wait,
+                    )
+        if self.held + extra <= self.limit:
             self._move(hold, extra)
             return
         if size > self.limit:
@@ -133,33 +177,60 @@ class BodyMemory:
             )
         mine = self._tenants.get(hold.tenant)
         held_here = (mine.size if mine is not None else 0) - hold.size  # its other requests
-        others = sum(w for t, w in self._weights.items() if t != hold.tenant)
+        others = self._others(hold.tenant)
         share = self.limit * hold.weight / (others + hold.weight)
-        what = f"Request bodies fill this gateway's memory bound ({self.limit} bytes)"
         per_request = max(0.001, self._per_request_s())
+        read = self.held - self.reading  # freed as requests finish
+        stalled = read < self.held + extra - self.limit
         if held_here > 0 and held_here + extra > share:
             self._metrics.rate_limited.labels(label, "memory").inc()
-            wait = per_request * (others + hold.weight) / hold.weight
+            wait = (
+                self._upload_idle_s
+                if stalled
+                else per_request * (others + hold.weight) / hold.weight
+            )
             raise RateLimited(
                 "memory",
                 f"{what}; this tenant holds at least its weighted share of it. "
                 f"Retry in about {retry_after_header(wait)} s.",
                 wait,
             )
+        wait = self._upload_idle_s if stalled else per_request
         raise EngineUnavailable(
-            f"{what}; the gateway is saturated. Retry in about {retry_after_header(per_request)} s.",
-            per_request,
+            f"{what}; the gateway is saturated. Retry in about {retry_after_header(wait)} s.",
+            wait,
         )
+
+    def read(self, hold: BodyHold) -> None:
+        """``hold``'s body ended arriving (read whole, refused or abandoned): what it holds no
+        longer counts as an upload in progress. Idempotent."""
+        if hold.reading:
+            self._count_reading(hold.tenant, -hold.size)
+            hold.reading = False
 
     def release(self, hold: BodyHold) -> None:
         """The request ended: everything ``hold`` held is free. Idempotent."""
         self._move(hold, -hold.size)
+
+    def _others(self, tenant: str) -> float:
+        """The summed weights of the other tenants holding now."""
+        return sum(w for t, w in self._weights.items() if t != tenant)
+
+    def _count_reading(self, tenant: str, delta: int) -> None:
+        self.reading += delta
+        left = self._reading.get(tenant, 0) + delta
+        if left > 0:
+            self._reading[tenant] = left
+        else:
+            self._reading.pop(tenant, None)
 
     def _move(self, hold: BodyHold, delta: int) -> None:
         if delta == 0:
             return
         hold.size += delta
         self.held += delta
+        if hold.reading:
+            self._count_reading(hold.tenant, delta)
         entry = self._tenants.get(hold.tenant)
         if entry is None:
             entry = self._tenants[hold.tenant] = BodyHold(hold.tenant, hold.weight)
@@ -175,24 +246,35 @@ class BodyMemory:
 async def read_held(
     request: web.Request, memory: BodyMemory, hold: BodyHold, server: ServerSettings, label: str
 ) -> bytes:
-    """Read a model request's body within ``server.bodies_max_bytes``: twice its
-    ``Content-Length`` is taken before reading (of ``max_body_bytes`` for a chunked or compressed
-    body); once read, before it is parsed, the `held_estimate` of its parsed form plus its length
-    again (the engine body encoded from it, about as long). The caller releases ``hold`` when the
-    request's bodies are dropped.
+    """Read a model request's body within ``server.bodies_max_bytes``: while it arrives it holds
+    twice the bytes received so far (the reads, then the bytes joined from them; of a chunked or
+    compressed body, what it decoded into so far), grown read by read; once read, before it is
+    parsed, the `held_estimate` of its parsed form plus its length again (the engine body
+    encoded from it, about as long). The caller releases ``hold`` when the request's bodies are
+    dropped.
 
     Raises:
         PayloadTooLarge, RequestTimeout, BadRequest: see `gateway.body.read_body`; 413 also for
             a body whose parsed form alone would exceed the bound.
-        RateLimited, EngineUnavailable: the bound is full (see `BodyMemory.take`).
+        RateLimited, EngineUnavailable: the bound is full, or the tenant's uploads in progress
+            hold its share (see `BodyMemory.take`); refused mid-upload, the connection closes.
     """
-    length = request.content_length
-    if length is None or length <= server.max_body_bytes:  # else read_body refuses it unread
-        # A compressed body decodes into up to max_body_bytes whatever its Content-Length (30 KB
-        # of gzip is 30 MiB of spaces, held as it arrives): it counts as one of unknown length.
-        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
-        known = length if encoding in ("", "identity") else None
-        memory.take(hold, reading_estimate(known, server.max_body_bytes), label)
-    raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
-    memory.take(hold, held_estimate(raw) + len(raw), label)  # parsed, then the engine body
+
+    def received(size: int) -> None:
+        try:
+            memory.take(hold, 2 * size, label)
+        except GatewayError as error:
+            error.headers["Connection"] = "close"  # the rest of the body is not read
+            raise
+
+    hold.reading = True
+    try:
+        raw = await read_body(request, server.max_body_bytes, server.body_timeout_s, received)
+    finally:
+        memory.read(hold)
+    try:
+        memory.take(hold, held_estimate(raw) + len(raw), label)  # parsed, then the engine body
+    except GatewayError:
+        del raw  # not kept by the traceback beyond the hold that counted it
+        raise
     return raw

@@ -36,9 +36,9 @@ class ServerSettings:
     leaves room for JSON escaping (CJK as ``\\uXXXX`` is 6 bytes a character) and tool schemas.
     ``bodies_max_bytes`` (1 GiB) bounds the memory the bodies of all model requests hold at once
     (being read, parsed, waiting in the queue, at an engine), each counted as the estimate of its
-    bytes, decoded text and parsed objects (`gateway.body_memory`): a request past it is refused
-    like one past a full queue (429 ``memory`` at the tenant's share, else 503), one that alone
-    exceeds it with 413.
+    bytes, decoded text and parsed objects (`gateway.body_memory`), a body still arriving as the
+    bytes received so far: a request past it is refused like one past a full queue (429
+    ``memory`` at the tenant's share, else 503), one that alone exceeds it with 413.
 
     The three timeouts protect the listener, which faces clients directly (seconds):
     ``keepalive_timeout_s`` closes a connection that sends no complete request line and headers

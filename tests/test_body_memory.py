@@ -98,7 +98,7 @@ def test_estimate_bounds_the_parsed_size_of_generated_bodies(value: Any, ascii_o
 
 
 def bound(limit: int = 10_000) -> BodyMemory:
-    return BodyMemory(limit, Metrics(CollectorRegistry()), lambda: 2.0)
+    return BodyMemory(limit, Metrics(CollectorRegistry()), lambda: 2.0, upload_idle_s=60.0)
 
 
 def test_holds_add_up_and_release_frees_them() -> None:
@@ -166,18 +166,18 @@ async def test_a_body_larger_than_the_bound_parsed_is_a_413_in_the_routes_shape(
         assert ok.status == 200
 
 
-async def test_a_compressed_body_counts_its_decoded_limit_while_it_uploads(
+async def test_a_compressed_body_counts_what_it_decoded_into_while_it_uploads(
     aiohttp_client: Any,
 ) -> None:
     """A gzip body's ``Content-Length`` says nothing of what it decodes into (1 KB here decodes
-    into 900 KB, held as they arrive): while it uploads it counts as twice ``max_body_bytes``,
-    as a chunked body does, and its hold is freed when its client leaves."""
+    into 900 KB, held as they arrive): while it uploads it counts as twice what it decoded into
+    so far, and its hold is freed when its client leaves."""
     config = {"server": {"max_body_bytes": 1 << 20, "bodies_max_bytes": 4 << 20}}
     async with open_stack(aiohttp_client, config) as stack:
         memory = stack.client.app[BODY_MEMORY]
         gzip = zlib.compressobj(9, zlib.DEFLATED, 31)
-        start = gzip.compress(b'{"messages": [{"role": "user", "content": "' + b"a" * 900_000)
-        start += gzip.flush(zlib.Z_SYNC_FLUSH)
+        decoded = b'{"messages": [{"role": "user", "content": "' + b"a" * 900_000
+        start = gzip.compress(decoded) + gzip.flush(zlib.Z_SYNC_FLUSH)
         never = asyncio.Event()
 
         async def stalled() -> AsyncIterator[bytes]:
@@ -193,12 +193,103 @@ async def test_a_compressed_body_counts_its_decoded_limit_while_it_uploads(
         upload = asyncio.ensure_future(
             stack.client.post("/v1/chat/completions", data=stalled(), headers=headers)
         )
-        assert await until(lambda: memory.held > 0)
-        assert memory.held == 2 << 20
+        assert await until(lambda: memory.held == 2 * len(decoded)), memory.held
+        assert memory.reading == memory.held
         upload.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await upload
         assert await until(lambda: memory.held == 0)
+        assert memory.reading == 0
+
+
+def test_uploads_count_what_arrived_within_their_tenants_share() -> None:
+    """Bodies still arriving: one alone may grow to the bound; a tenant's uploads together stop
+    at its weighted share (half, alone) with 429 ``memory`` and ``Retry-After`` the upload idle
+    timeout; past the bound, Retry-After is the queue's when bodies already read hold the bytes
+    that must free, the idle timeout when only uploads in progress do."""
+    alone = bound()
+    one = BodyHold("acme", 1.0, reading=True)
+    alone.take(one, 9000, "acme")
+    assert alone.held == alone.reading == 9000
+    alone.read(one)
+    assert alone.reading == 0 and alone.held == 9000
+
+    memory = bound()
+    first, second = BodyHold("acme", 1.0, reading=True), BodyHold("acme", 1.0, reading=True)
+    memory.take(first, 3000, "acme")
+    memory.take(second, 2000, "acme")  # 5000: its share of 10,000, no other tenant holding
+    with pytest.raises(RateLimited) as uploads:
+        memory.take(BodyHold("acme", 1.0, reading=True), 1, "acme")
+    assert uploads.value.limit == "memory" and uploads.value.headers["Retry-After"] == "60"
+    memory.take(BodyHold("beta", 1.0), 4000, "beta")  # read and parsed: freed as it finishes
+    assert memory.held == 9000 and memory.reading == 5000
+    with pytest.raises(EngineUnavailable) as queued:
+        memory.take(BodyHold("carol", 1.0), 5000, "carol")  # 4000 must free: beta holds them
+    assert queued.value.headers["Retry-After"] == "2"
+    with pytest.raises(EngineUnavailable) as stalled:
+        memory.take(BodyHold("carol", 1.0), 6000, "carol")  # 5000 must free: uploads hold 5000
+    assert stalled.value.headers["Retry-After"] == "60"
+    assert memory.held == 9000  # refusals take nothing
+    memory.release(first)
+    memory.read(second)
+    assert memory.reading == 0 and memory.held == 6000
+
+
+async def test_stalled_uploads_of_one_tenant_do_not_lock_out_another(
+    aiohttp_client: Any,
+) -> None:
+    """Tenant A opens 17 uploads that send headers with ``Content-Length`` at
+    ``max_body_bytes`` and then 12 bytes: they hold twice what arrived (408 bytes), not twice
+    what they promise, and tenant B is served. A's 700 KB upload that stalls counts in full;
+    a second is refused 429 past A's half of the 3 MiB bound. B's real 900 KB body, twice its
+    size not fitting what A holds, is refused 503 ``memory`` with ``Retry-After`` the upload
+    idle timeout (only uploads in progress hold the bound); once A leaves, all is free."""
+    config = {"server": {"max_body_bytes": 1 << 20, "bodies_max_bytes": 3 << 20}}
+    async with open_stack(aiohttp_client, config) as stack:
+        memory = stack.client.app[BODY_MEMORY]
+        never = asyncio.Event()
+        head = b'{"model": "q'
+
+        def upload(first: bytes) -> asyncio.Future[Any]:
+            async def stalled() -> AsyncIterator[bytes]:
+                yield first
+                await never.wait()
+
+            headers = {**AUTH_A, "Content-Type": "application/json", "Content-Length": str(1 << 20)}
+            return asyncio.ensure_future(
+                stack.client.post("/v1/chat/completions", data=stalled(), headers=headers)
+            )
+
+        uploads = [upload(head) for _ in range(17)]
+        assert await until(lambda: memory.held == 17 * 2 * len(head)), memory.held
+        small = {"model": ALIAS, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+        headers_b = {"Authorization": f"Bearer {KEY_B}"}
+        r = await stack.client.post("/v1/chat/completions", json=small, headers=headers_b)
+        assert r.status == 200, await r.text()
+
+        part = b" " * 700_000
+        uploads.append(upload(part))
+        assert await until(lambda: memory.held == 17 * 2 * len(head) + 2 * len(part))
+        second = upload(part)
+        refused = await second
+        assert refused.status == 429 and (await refused.json())["error"]["type"] == "memory"
+        assert refused.headers["Retry-After"] == "60"
+
+        large = dict(small, messages=[{"role": "user", "content": "a" * 900_000}])
+        r = await stack.client.post("/v1/chat/completions", json=large, headers=headers_b)
+        error = await r.json()
+        assert r.status == 503 and "memory bound" in error["error"]["message"], error
+        assert r.headers["Retry-After"] == "60"
+        r = await stack.client.post("/v1/chat/completions", json=small, headers=headers_b)
+        assert r.status == 200, await r.text()
+
+        for task in uploads:
+            task.cancel()
+        for task in uploads:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        assert await until(lambda: memory.held == 0)
+        assert memory.reading == 0
 
 
 async def test_past_the_bound_messages_answers_429_for_the_holder_and_529_for_another(

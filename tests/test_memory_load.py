@@ -5,6 +5,7 @@ cannot be written. A real gateway process in front of the engine simulator."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sqlite3
@@ -19,7 +20,7 @@ import pytest
 from gateway.ledger import RECORD_BYTES
 from tests.conftest import ALIAS, KEY_A, KEY_B, Gateway, wait_until
 
-pytestmark = pytest.mark.slow(46)
+pytestmark = pytest.mark.slow(50)
 
 MIB = 1024 * 1024
 # What a gateway's RSS moves by without any held data: allocator arenas, a request's own
@@ -250,6 +251,80 @@ def test_flood_of_large_bodies_stays_within_bodies_max_bytes(sim_factory, gatewa
     bound_kib = (2 * BODIES_BOUND + 2 * len(raw)) // 1024 + FLOOD * 384 + BASELINE_SLACK_KIB
     assert watch.peak < bound_kib, f"gateway RSS grew {watch.peak} KiB (bound {bound_kib})"
     health_ms(gw)
+
+
+STALLED = 17
+STALLED_LENGTH = 33_000_000  # just under max_body_bytes (32 MiB)
+UPLOADS_BOUND = 64 * MIB
+
+
+def stalled_upload(gw: Gateway, key: str, first: bytes) -> socket.socket:
+    """Headers promising ``STALLED_LENGTH`` bytes of body, then only ``first``."""
+    host, port = gw.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {STALLED_LENGTH}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + first)
+    return sock
+
+
+def test_stalled_uploads_hold_what_arrived_and_leave_other_tenants_served(
+    sim_factory, gateway_factory
+) -> None:
+    """17 uploads of tenant A send headers with ``Content-Length: 33000000`` and 12 bytes: they
+    hold 408 bytes of the 64 MiB bound, and tenant B is served. Each then sends 3 MB and stalls:
+    A's uploads stop at its half of the bound (429 ``memory`` for those past it); B is still
+    served, B's real 20 MB body (40 MB counted) does not fit beside A's and is refused 503 with
+    ``Retry-After`` 60 (the upload idle timeout: only uploads hold the bound); the gateway's RSS
+    grows by less than the bound."""
+    sim = sim_factory()
+    gw = gateway_factory(sim, {"server": {"bodies_max_bytes": UPLOADS_BOUND}})
+    head = b'{"model": "q'
+    small = {"model": ALIAS, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    auth_b = {"Authorization": f"Bearer {KEY_B}"}
+    with PeakWatch(gw.proc.pid) as watch:
+        socks = [stalled_upload(gw, KEY_A, head) for _ in range(STALLED)]
+        assert wait_until(
+            lambda: gw.metric("gateway_body_memory_bytes") == STALLED * 2 * len(head), 10
+        ), gw.metric("gateway_body_memory_bytes")
+        started = time.monotonic()
+        first = httpx.post(gw.url("/v1/chat/completions"), json=small, headers=auth_b, timeout=30)
+        first_ms = (time.monotonic() - started) * 1000
+        assert first.status_code == 200, first.text
+
+        def push(sock: socket.socket) -> None:
+            sock.settimeout(15)
+            with contextlib.suppress(OSError):
+                sock.sendall(b" " * 3_000_000)
+
+        pushers = [threading.Thread(target=push, args=(sock,)) for sock in socks]
+        for pusher in pushers:
+            pusher.start()
+        for pusher in pushers:
+            pusher.join(30)
+        refused = gw.metric("gateway_rate_limited_total", limit="memory")
+        held = gw.metric("gateway_body_memory_bytes")
+        second = httpx.post(gw.url("/v1/chat/completions"), json=small, headers=auth_b, timeout=30)
+        large = dict(small, messages=[{"role": "user", "content": "a" * 20_000_000}])
+        third = httpx.post(gw.url("/v1/chat/completions"), json=large, headers=auth_b, timeout=60)
+        for sock in socks:
+            sock.close()
+    print(
+        f"RSS growth peak {watch.peak} KiB; B's first answer {first.status_code} in "
+        f"{first_ms:.0f} ms; A's uploads of 3 MB: {refused:.0f} refused, {held:.0f} bytes held; "
+        f"B's next {second.status_code}, B's 20 MB body {third.status_code} "
+        f"Retry-After {third.headers.get('Retry-After')}"
+    )
+    assert refused > 0 and held <= UPLOADS_BOUND // 2
+    assert second.status_code == 200, second.text
+    assert third.status_code == 503 and "memory bound" in third.json()["error"]["message"]
+    assert third.headers["Retry-After"] == "60"
+    assert wait_until(lambda: gw.metric("gateway_body_memory_bytes") == 0, 10)
+    bound_kib = UPLOADS_BOUND // 1024 + STALLED * 384 + BASELINE_SLACK_KIB
+    assert watch.peak < bound_kib, f"gateway RSS grew {watch.peak} KiB (bound {bound_kib})"
 
 
 LEDGER_PENDING = 2000
