@@ -271,6 +271,40 @@ def test_the_expected_output_is_kept_per_thinking_mode() -> None:
     assert forecaster.expected_work(SPEEDS, 10, 32_768, 1, thinking=False) == Work(10, 100)
 
 
+def test_answers_cut_at_their_budget_never_shorten_the_expected_output() -> None:
+    """Many answers that hit a tiny max_tokens leave the expected output where the answers that
+    ended by themselves put it; one cut above it still raises it."""
+    clock = FakeClock()
+    queue = AdmissionQueue(1, 64, 600.0, Metrics(CollectorRegistry()), clock=clock)
+    forecaster = Forecaster(Metrics(CollectorRegistry()), clock)
+
+    def answer(completion: int, budget: int) -> None:
+        ticket = queue.enqueue("a", 1.0, 100)
+        forecaster.track(ticket, Work(50, completion), Forecast(0, 0, 0, 0))
+        clock.advance(1)
+        ticket.release()
+        forecaster.settled(
+            ticket,
+            SPEEDS,
+            prompt=50,
+            completion=completion,
+            choices=1,
+            first_token_s=None,
+            complete=True,
+            budget=budget,
+        )
+
+    answer(900, 4096)  # ended by itself: the mean is 900
+    for _ in range(50):
+        answer(4, 4)  # max_tokens 4, used to the end
+    assert forecaster.speeds(SPEEDS)[2] == 900
+    answer(3, 4)  # ended by itself below its budget: a real short answer counts
+    assert forecaster.speeds(SPEEDS)[2] == pytest.approx(900 + 0.1 * (3 - 900))
+    before = forecaster.speeds(SPEEDS)[2]
+    answer(2000, 2000)  # cut at 2,000: at least that long, so the mean rises
+    assert forecaster.speeds(SPEEDS)[2] > before
+
+
 def test_a_cut_request_teaches_nothing_and_is_forgotten() -> None:
     """A request that did not complete (cut, refused by the engine) moves no speed."""
     clock = FakeClock()
