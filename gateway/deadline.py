@@ -160,7 +160,10 @@ class Forecaster:
     ``prefill_tokens_per_s`` and ``decode_tokens_per_s`` stand (30 tokens/s: one V100 decoding
     one sequence, DEPLOYMENT-NOTES). The expected output of a choice is the moving mean of
     finished answers of the same thinking mode (alpha `OUTPUT_EWMA_ALPHA`; ``[deadline]
-    expected_output_tokens`` until the first), never above the request's own ``max_tokens``.
+    expected_output_tokens`` until the first), never above the request's own ``max_tokens``. An
+    answer that used its whole output budget was cut there, so it only says the answer would
+    have been at least that long: it may raise the mean, never lower it (a tenant's many
+    ``max_tokens: 5`` requests do not make every long answer look short).
 
     Args:
         metrics: the ``gateway_forecast_*`` and ``gateway_queue_start_forecast_error_seconds``
@@ -278,6 +281,7 @@ class Forecaster:
         first_token_s: float | None,
         complete: bool,
         thinking: bool = False,
+        budget: int | None = None,
     ) -> None:
         """Forget a finished request and learn from it.
 
@@ -289,6 +293,8 @@ class Forecaster:
             first_token_s: clock reading of its first token at the client (streams), or None.
             complete: the answer ran to its end at the engine (not cut, not refused, a 200).
             thinking: it ran with thinking on (the output mean is kept per mode).
+            budget: its output budget per choice (None: unknown); an answer that reached it
+                only raises the expected output.
         """
         entry = self._tracked.pop(id(ticket), None)
         granted = ticket.granted_at
@@ -296,7 +302,9 @@ class Forecaster:
             return
         mean = completion / max(1, choices)
         old = self._output.get(thinking)
-        self._output[thinking] = mean if old is None else old + OUTPUT_EWMA_ALPHA * (mean - old)
+        capped = budget is not None and mean >= budget
+        if old is None or not capped or mean > old:
+            self._output[thinking] = mean if old is None else old + OUTPUT_EWMA_ALPHA * (mean - old)
         engine_s = self._clock() - granted
         if entry is not None and first_token_s is not None and first_token_s >= granted:
             first = first_token_s - granted
@@ -448,4 +456,5 @@ def finished(call: ModelCall, forecaster: Forecaster) -> None:
         first_token_s=first,
         complete=usage.settled and usage.source == "engine",
         thinking=call.plan is not None and bool(call.plan.thinking),
+        budget=call.plan.max_output if call.plan is not None else None,
     )

@@ -90,7 +90,9 @@ async def _limit_headers(request: web.Request) -> dict[str, str]:
 
 
 async def usage(request: web.Request) -> web.Response:
-    """The caller's own usage by UTC day and its quotas (README.md, "Usage and quotas").
+    """The caller's own usage by UTC day and its quotas (README.md, "Usage and quotas"), with
+    the tenant's ``x-ratelimit-*`` headers as of now (nothing reserved), as every authenticated
+    answer has them: a client watching its usage reads its limits from the same answer.
 
     Query: ``since`` and ``until`` (``YYYY-MM-DD``, inclusive; default the 1st of this month to
     today). A tenant only ever sees its own records.
@@ -104,4 +106,4 @@ async def usage(request: web.Request) -> web.Response:
     body = await request.app[ACCOUNTING].document(
         caller.tenant, query.get("since"), query.get("until")
     )
-    return web.json_response(body)
+    return web.json_response(body, headers=await _limit_headers(request))

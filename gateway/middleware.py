@@ -23,7 +23,7 @@ from gateway.dialects import CHAT, Dialect
 from gateway.errors import GatewayError, HttpError, InvalidApiKey, MethodNotAllowed, NotFound
 from gateway.http_errors import error_for
 from gateway.metrics import ROUTES
-from gateway.secret_scan import looks_like_credential
+from gateway.secret_scan import OwnCredential, looks_like_credential
 from gateway.state import (
     BODY_MEMORY,
     CLOCK,
@@ -53,6 +53,16 @@ def sane_request_id(value: str) -> bool:
     response header and the engine; a loaded API key without such a prefix is refused by the
     caller, by its digest)."""
     return bool(_REQUEST_ID_RE.match(value)) and not looks_like_credential(value)
+
+
+def _carries_own_credential(request_id: str, authorization: str | None) -> bool:
+    """True when a client's request id holds the credential this request presents, whole or any
+    `gateway.secret_scan.MIN_SECRET_CHARS`-long run of it (an ``sk-q38-`` key's secret without
+    its prefix, a piece of a JWT): such an id is replaced before it is logged, echoed in
+    ``x-request-id`` and completion ids, or sent to the engine. The credential is the one
+    `credential` reads (``Authorization``, or the route's API-key header), checked or not."""
+    own = OwnCredential.of(authorization)
+    return own is not None and own.shares_run_with(request_id)
 
 
 def _route(request: web.Request) -> tuple[str, str]:
@@ -85,9 +95,14 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
     app = request.app
     live = app[LIVE].current
     supplied = request.headers.get("X-Request-Id", "")
-    client_id = sane_request_id(supplied) and not live.auth.is_api_key(supplied)
-    request_id = supplied if client_id else uuid.uuid4().hex
     template, route = _route(request)
+    dialect = _dialect(app, request, template)
+    client_id = (
+        sane_request_id(supplied)
+        and not live.auth.is_api_key(supplied)
+        and not _carries_own_credential(supplied, credential(request, dialect or CHAT))
+    )
+    request_id = supplied if client_id else uuid.uuid4().hex
     context = RequestContext(
         request_id=request_id,
         started=app[CLOCK](),
@@ -95,7 +110,6 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         live=live,
         client_request_id=client_id,
     )
-    dialect = _dialect(app, request, template)
     if dialect is not None:
         context.dialect = dialect
     request[CONTEXT] = context

@@ -7,7 +7,8 @@ The first request of a copy leads: it runs the model path and its answer is reco
 (no rate limit, quota or engine slot taken, no ledger record of its own; the leader's record
 counts it in ``attaches``) when one of these rules holds:
 
-1. **Idempotency-Key** (any API, streamed or not): the same tenant and key within
+1. **Idempotency-Key** (every generating API, streamed or not; ``count_tokens`` generates
+   nothing and never reads the header): the same tenant and key within
    ``retries.idempotency_ttl_s`` (24 h) of the first request's end. A running generation is
    attached to (the new connection gets the stream from its first byte, then live); a finished
    one is replayed (same status, headers, body or events, ids). The same key with another body

@@ -11,6 +11,9 @@ Two questions, asked before anything a client sent is echoed or forwarded:
   authenticated with? The body is searched as sent and as JSON decodes it (a ``\\u0073k-...``
   escape is the key), percent-decoded, and for the key's base64 and base64url encodings at each
   of the three alignments a base64 stream can put it at.
+- `OwnCredential.shares_run_with`: does a short client value (an ``X-Request-Id``) hold any
+  `MIN_SECRET_CHARS`-long run of that credential, so its secret part without the ``sk-q38-``
+  prefix, or a piece of a JWT, is caught as well as the whole?
 
 Nothing here logs or returns the secret; the answers are booleans.
 """
@@ -119,6 +122,23 @@ class OwnCredential:
                         return True
                     stack.append(value)
         return False
+
+    def shares_run_with(self, text: str) -> bool:
+        """True when ``text`` holds the credential as `found_in` searches for it, or any run of
+        `MIN_SECRET_CHARS` consecutive characters of it (the secret of an ``sk-q38-`` key
+        without its prefix, a JWT's signature or payload).
+
+        The runs of ``text`` go into a set and each run of the credential is looked up by hash:
+        the time taken depends on the lengths, not on how many leading characters match (no
+        character-by-character compare of the secret against client text). Meant for values of
+        at most a few hundred characters; O(len(text) + len(credential)) lookups.
+        """
+        if self.found_in(text.encode("utf-8", "surrogatepass"), text):
+            return True
+        size = MIN_SECRET_CHARS
+        runs = {text[i : i + size] for i in range(len(text) - size + 1)}
+        secret = self.text
+        return any(secret[i : i + size] in runs for i in range(len(secret) - size + 1))
 
     def _in_text(self, text: str) -> bool:
         if self.text in text:

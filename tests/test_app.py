@@ -85,6 +85,31 @@ async def test_models_lists_the_alias_with_rate_limit_headers(stack: Stack) -> N
     assert "x-ratelimit-limit-requests" in r.headers
 
 
+async def test_usage_carries_the_tenants_limit_headers_and_reserves_nothing(
+    stack: Stack,
+) -> None:
+    """/v1/usage answers with the six ``x-ratelimit-*`` headers as of now, like every
+    authenticated response, and reading them takes no request or token from the budget."""
+    r = await stack.client.post(CHAT, json=chat_body(max_tokens=1), headers=AUTH_A)
+    assert r.status == 200
+    names = [
+        f"x-ratelimit-{part}-{kind}"
+        for kind in ("requests", "tokens")
+        for part in ("limit", "remaining", "reset")
+    ]
+    first = await stack.client.get("/v1/usage", headers=AUTH_A)
+    second = await stack.client.get("/v1/usage", headers=AUTH_A)
+    assert first.status == second.status == 200
+    assert all(name in first.headers for name in names), dict(first.headers)
+    for name in ("x-ratelimit-limit-requests", "x-ratelimit-limit-tokens"):
+        assert first.headers[name] == r.headers[name]
+    after = (r, first, second)
+    requests = [int(a.headers["x-ratelimit-remaining-requests"]) for a in after]
+    tokens = [int(a.headers["x-ratelimit-remaining-tokens"]) for a in after]
+    assert requests[1] >= requests[0] and requests[2] >= requests[1]
+    assert tokens[1] >= tokens[0] and tokens[2] >= tokens[1]
+
+
 async def test_unknown_model_card_is_404_model_not_found(stack: Stack) -> None:
     """/v1/models/{id} of another name is 404 ``model_not_found`` naming the field."""
     r = await stack.client.get("/v1/models/other", headers=AUTH_A)

@@ -248,27 +248,62 @@ def test_speeds_are_learned_from_finished_requests() -> None:
     assert forecaster.tracked() == 0
 
 
-def test_the_expected_output_is_kept_per_thinking_mode() -> None:
-    """Long thinking answers do not lengthen the expected output of answers without thinking."""
-    clock = FakeClock()
-    queue = AdmissionQueue(1, 64, 600.0, Metrics(CollectorRegistry()), clock=clock)
-    forecaster = Forecaster(Metrics(CollectorRegistry()), clock)
+def answer_once(
+    forecaster: Forecaster,
+    queue: AdmissionQueue,
+    clock: FakeClock,
+    completion: int,
+    *,
+    budget: int | None = None,
+    thinking: bool = False,
+) -> None:
+    """One complete non-streamed answer of ``completion`` tokens (50 prompt tokens, 1 s)."""
     ticket = queue.enqueue("a", 1.0, 100)
-    forecaster.track(ticket, Work(50, 50), Forecast(0, 0, 0, 0))
+    forecaster.track(ticket, Work(50, completion), Forecast(0, 0, 0, 0))
     clock.advance(1)
     ticket.release()
     forecaster.settled(
         ticket,
         SPEEDS,
         prompt=50,
-        completion=3000,
+        completion=completion,
         choices=1,
         first_token_s=None,
         complete=True,
-        thinking=True,
+        thinking=thinking,
+        budget=budget,
     )
+
+
+def test_the_expected_output_is_kept_per_thinking_mode() -> None:
+    """Long thinking answers do not lengthen the expected output of answers without thinking."""
+    clock = FakeClock()
+    queue = AdmissionQueue(1, 64, 600.0, Metrics(CollectorRegistry()), clock=clock)
+    forecaster = Forecaster(Metrics(CollectorRegistry()), clock)
+    answer_once(forecaster, queue, clock, 3000, thinking=True)
     assert forecaster.expected_work(SPEEDS, 10, 32_768, 1, thinking=True) == Work(10, 3000)
     assert forecaster.expected_work(SPEEDS, 10, 32_768, 1, thinking=False) == Work(10, 100)
+
+
+def test_answers_cut_at_their_budget_never_shorten_the_expected_output() -> None:
+    """Many answers that hit a tiny max_tokens leave the expected output where the answers that
+    ended by themselves put it; one cut above it still raises it."""
+    clock = FakeClock()
+    queue = AdmissionQueue(1, 64, 600.0, Metrics(CollectorRegistry()), clock=clock)
+    forecaster = Forecaster(Metrics(CollectorRegistry()), clock)
+
+    def answer(completion: int, budget: int) -> None:
+        answer_once(forecaster, queue, clock, completion, budget=budget)
+
+    answer(900, 4096)  # ended by itself: the mean is 900
+    for _ in range(50):
+        answer(4, 4)  # max_tokens 4, used to the end
+    assert forecaster.speeds(SPEEDS)[2] == 900
+    answer(3, 4)  # ended by itself below its budget: a real short answer counts
+    assert forecaster.speeds(SPEEDS)[2] == pytest.approx(900 + 0.1 * (3 - 900))
+    before = forecaster.speeds(SPEEDS)[2]
+    answer(2000, 2000)  # cut at 2,000: at least that long, so the mean rises
+    assert forecaster.speeds(SPEEDS)[2] > before
 
 
 def test_a_cut_request_teaches_nothing_and_is_forgotten() -> None:

@@ -92,3 +92,16 @@ def test_readme_is_short_and_starts_with_the_two_commands() -> None:
     assert "python3 -m pip install . && qwen38-gateway demo" in head
     assert "./.ci/run" in head
     assert (ROOT / ".ci/run").exists()
+
+
+def test_retries_docs_say_count_tokens_ignores_idempotency_keys() -> None:
+    """Both READMEs scope ``Idempotency-Key`` to the generating APIs and say ``count_tokens``
+    does not read it (tests/test_retries.py proves it does not), never "every API"."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (sentence,) = [s for s in readme.split(". ") if "send `Idempotency-Key" in s]
+    assert "every generating API" in sentence and "`count_tokens`" in sentence
+    gateway = (ROOT / "gateway/README.md").read_text(encoding="utf-8")
+    (row,) = [line for line in gateway.splitlines() if line.startswith("| `Idempotency-Key`")]
+    assert "generating APIs" in row and "count_tokens` never reads it" in row
+    for text in (sentence, row):
+        assert "every API" not in text and "any API" not in text

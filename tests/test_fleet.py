@@ -195,6 +195,24 @@ def test_lease_of_a_killed_gateway_expires_and_is_taken_over(
     assert chat(gw2.base_url).status_code == 200
 
 
+def test_a_running_gateway_renews_its_lease_past_its_ttl(
+    redis_url: str, sim_factory: Any, gateway_factory: Any
+) -> None:
+    """A live owner keeps its lease however long it runs: three times the TTL later the lease
+    is still its own, freshly renewed, and a second gateway is still refused."""
+    sim = sim_factory()
+    gw1 = gateway_factory(sim, {"fleet": fleet(redis_url, "host-a:1", lease_ttl_s=1.5)}, name="gw1")
+    client = redis.Redis.from_url(redis_url)
+    lease = f"qwen38:engine-lease:{socket.gethostname()}:{sim.socket}"
+    time.sleep(4.5)
+    assert client.get(lease).startswith(b"host-a:1 ")
+    assert client.pttl(lease) > 500  # renewed every third of the TTL
+    with pytest.raises(RuntimeError) as refused:
+        gateway_factory(sim, {"fleet": fleet(redis_url, "host-b:1")}, name="gw2")
+    assert "'host-a:1'" in str(refused.value)
+    assert chat(gw1.base_url).status_code == 200
+
+
 def test_unreachable_redis_or_postgres_at_start_is_a_clear_error(
     workdir: Path, sim_factory: Any, gateway_factory: Any
 ) -> None:

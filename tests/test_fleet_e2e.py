@@ -90,7 +90,11 @@ class Fleet:
         return gw
 
     def chat(
-        self, base_url: str | None = None, key: str = KEY_A, session: str = ""
+        self,
+        base_url: str | None = None,
+        key: str = KEY_A,
+        session: str = "",
+        extra: dict[str, Any] | None = None,
     ) -> httpx.Response:
         """One non-streamed chat request (through HAProxy by default); 200s are remembered."""
         assert self.haproxy is not None
@@ -102,6 +106,7 @@ class Fleet:
             "model": ALIAS,
             "messages": [{"role": "user", "content": f"turn {rid}"}],
             "max_tokens": 6,
+            **(extra or {}),
         }
         got = httpx.post(
             (base_url or self.haproxy.url) + "/v1/chat/completions",
@@ -196,6 +201,23 @@ def test_sessions_stay_on_one_gateway_through_haproxy(fleet: Fleet) -> None:
             )
     assert all(len(gws) == 1 and None not in gws for gws in placed.values()), placed
     assert set().union(*placed.values()) == set(NAMES)
+
+
+def test_sessions_named_in_the_body_stay_on_one_gateway_through_haproxy(fleet: Fleet) -> None:
+    """Without a session header, the body's prompt_cache_key keeps a session's turns on one
+    gateway; requests with no session at all still reach both."""
+    placed: dict[str, set[str | None]] = {}
+    for session in range(10):
+        for _turn in range(3):
+            got = fleet.chat(extra={"prompt_cache_key": f"cache-{session}"})
+            assert got.status_code == 200, got.text
+            placed.setdefault(f"cache-{session}", set()).add(
+                fleet.where(got.headers["x-request-id"].split("-")[0])
+            )
+    assert all(len(gws) == 1 and None not in gws for gws in placed.values()), placed
+    assert set().union(*placed.values()) == set(NAMES)
+    unkeyed = {fleet.where(fleet.chat().headers["x-request-id"].split("-")[0]) for _ in range(8)}
+    assert unkeyed == set(NAMES)
 
 
 def test_an_engine_killed_under_load_costs_no_silent_loss(fleet: Fleet) -> None:

@@ -17,12 +17,15 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import LogCapture, capture_logs
 
 from gateway.app import create_app
+from gateway.auth import issue_token
 from gateway.config import parse_settings
+from gateway.credentials import b64url_encode
 from gateway.keys_file import load_keys_file
 from gateway.logs import REDACTED, configure_logging, redact_secrets, set_level
 from gateway.metrics import Metrics
 from gateway.upstream import EngineState
-from tests.conftest import DEFAULT_KEYS, KEY_A, KEY_C, write_keys
+from tests.conftest import ALIAS, DEFAULT_KEYS, KEY_A, KEY_C, write_keys
+from tests.inprocess import AUTH_A, chat_body, open_stack, sse_data
 
 pytestmark = pytest.mark.fast
 
@@ -331,3 +334,101 @@ async def test_unusable_request_ids_are_replaced(
         assert generated != supplied and len(generated) == 32
         assert access(captured)[-1]["request_id"] == generated
     assert len({e["request_id"] for e in access(captured)}) == 3
+
+
+# ------------------------------------------------------- request ids carrying the caller's key
+
+# KEY_A without its ``sk-q38-`` prefix, and a run of it as long as the shortest credential.
+SECRET_A = KEY_A.removeprefix("sk-q38-")
+RUN_A = SECRET_A[5:21]
+
+
+@pytest.mark.parametrize(
+    "supplied",
+    [SECRET_A, f"trace-{SECRET_A}-1", f"trace.{RUN_A}", KEY_A.replace("sk-", "x-")],
+)
+async def test_a_request_id_holding_the_callers_key_is_replaced_end_to_end(
+    aiohttp_client: Any, output: io.StringIO, supplied: str
+) -> None:
+    """An ``X-Request-Id`` holding the caller's own key secret (whole or a 16-character run)
+    is replaced by a generated id: the secret is in no header, body or log line."""
+    configure_logging("debug", output)
+    async with open_stack(aiohttp_client) as stack:
+        headers = {**AUTH_A, "X-Request-Id": supplied}
+        r = await stack.client.post("/v1/chat/completions", json=chat_body(), headers=headers)
+        assert r.status == 200
+        body = await r.text()
+        s = await stack.client.post(
+            "/v1/chat/completions", json=chat_body(stream=True), headers=headers
+        )
+        assert s.status == 200
+        stream = await s.text()
+        m = await stack.client.post(
+            "/v1/messages",
+            json={"model": ALIAS, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+            headers={"x-api-key": KEY_A, "X-Request-Id": supplied},
+        )
+        assert m.status == 200
+        messages = await m.text()
+        records = stack.sim.model_records() if stack.sim else []
+    for response in (r, s, m):
+        generated = response.headers["x-request-id"]
+        assert len(generated) == 32 and generated != supplied
+        assert all(RUN_A not in f"{k}: {v}" for k, v in response.headers.items())
+    for text in (body, stream, messages, output.getvalue(), json.dumps(records)):
+        assert RUN_A not in text
+    assert sse_data(stream.encode())[-1] == "[DONE]"
+    assert any(
+        json.loads(line).get("event") == "request" for line in output.getvalue().splitlines()
+    )
+
+
+async def test_a_clients_own_trace_id_is_kept(aiohttp_client: Any, output: io.StringIO) -> None:
+    """An ordinary trace id (sharing the key's ``sk-q38-test`` start only) is echoed and logged."""
+    configure_logging("info", output)
+    supplied = "trace-q38-test-0123456789abcdef"
+    async with open_stack(aiohttp_client) as stack:
+        r = await stack.client.post(
+            "/v1/chat/completions", json=chat_body(), headers={**AUTH_A, "X-Request-Id": supplied}
+        )
+        assert r.status == 200
+        body = await r.json()
+    assert r.headers["x-request-id"] == supplied
+    assert supplied in body["id"]
+    access = [json.loads(line) for line in output.getvalue().splitlines()]
+    assert any(e.get("event") == "request" and e["request_id"] == supplied for e in access)
+
+
+async def test_a_request_id_holding_a_piece_of_the_callers_jwt_is_replaced(
+    aiohttp_client: Any, output: io.StringIO
+) -> None:
+    """A request id carrying a run of the Bearer JWT (its signature) is replaced; logs clean."""
+    directory = Path(tempfile.mkdtemp(prefix="q38j-", dir="/tmp"))
+    keys_file = directory / "keys.env"
+    write_keys(keys_file, DEFAULT_KEYS, f"JWT_k1=hs256:{b64url_encode(b'j' * 32)}\n")
+    settings = parse_settings(
+        {
+            "engine": {"socket": str(directory / "absent.sock"), "health_interval_s": 0.05},
+            "auth": {"keys_file": str(keys_file)},
+            "ledger": {"path": str(directory / "usage.sqlite3")},
+            "tenants": {"acme": {}},
+        }
+    )
+    keys = load_keys_file(keys_file)
+    token = issue_token(keys.signing_keys[0], "acme", 600)
+    piece = token.rsplit(".", 1)[1][:20]
+    configure_logging("debug", output)
+    try:
+        client = await aiohttp_client(create_app(settings, keys=keys))
+        r = await client.get(
+            "/v1/models",
+            headers={"Authorization": f"Bearer {token}", "X-Request-Id": f"t-{piece}"},
+        )
+        assert r.status == 200
+        text = await r.text()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert len(r.headers["x-request-id"]) == 32
+    assert all(piece not in v for v in r.headers.values())
+    assert piece not in text and piece not in output.getvalue()
+    assert '"event": "request"' in output.getvalue() or '"event":"request"' in output.getvalue()

@@ -427,6 +427,35 @@ def test_dashboard_shows_the_contracted_views() -> None:
     } <= names
 
 
+def test_dashboard_repeats_a_row_per_engine_filtered_by_its_name() -> None:
+    """Several engines: an ``engine`` variable drawn from the gateway's engine series (all
+    selectable), a row repeated for each, and every panel of it filtered by ``$engine``, showing
+    readiness, in-flight against slots, requests and failovers."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    engine = variables["engine"]
+    assert "label_values(gateway_engine_status" in engine["definition"]
+    assert engine["multi"] and engine["includeAll"]
+    panels = dashboard["panels"]
+    rows = [i for i, p in enumerate(panels) if p.get("type") == "row" and p.get("repeat")]
+    assert [panels[i]["repeat"] for i in rows] == ["engine"]
+    start = rows[0] + 1
+    end = next((i for i in range(start, len(panels)) if panels[i].get("type") == "row"), None)
+    inside = panels[start:end]
+    assert inside
+    for panel in inside:  # the queue depth may stand beside an engine's own series
+        assert any('engine=~"$engine"' in t["expr"] for t in panel["targets"]), panel["title"]
+    exprs = [t["expr"] for p in inside for t in p["targets"]]
+    names = {n for e in exprs for n in promql_series_names(substitute_grafana_variables(e))}
+    assert {
+        "gateway_engine_status",
+        "gateway_engine_in_flight",
+        "gateway_engine_slots",
+        "gateway_engine_requests_total",
+        "gateway_engine_failovers_total",
+    } <= names
+
+
 def test_grafana_provisioning_points_at_the_installed_dashboard() -> None:
     """The provisioning files parse; the dashboard provider reads where install.sh puts the JSON."""
     datasources = yaml.safe_load((GRAFANA_PROVISIONING / "datasources" / "qwen38.yml").read_text())

@@ -491,3 +491,26 @@ async def test_every_dialect_attaches_with_a_key(
         assert await until(lambda: len(seen) == 1)
         assert seen[0].call is not None and seen[0].call.attaches == 1  # the replay came later
         assert matches(stack, "key", "attach") == matches(stack, "key", "replay") == 1
+
+
+async def test_count_tokens_does_not_read_idempotency_keys(stack: Stack) -> None:
+    """``count_tokens`` generates nothing, so it ignores ``Idempotency-Key``: one key with two
+    bodies counts each, a malformed key is not refused, and nothing is recorded that would make
+    the same key on ``/v1/messages`` a 409."""
+    count = "/v1/messages/count_tokens"
+    auth = {"x-api-key": AUTH_A["Authorization"][7:]}
+    short = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}]}
+    long = {"model": ALIAS, "messages": [{"role": "user", "content": "hi " * 50}]}
+    counted = []
+    for body, key in ((short, "ct-1"), (long, "ct-1"), (short, "k" * 300)):
+        reply = await stack.client.post(count, json=body, headers={**auth, "Idempotency-Key": key})
+        assert reply.status == 200, await reply.text()
+        assert "Idempotent-Replayed" not in reply.headers
+        counted.append((await reply.json())["input_tokens"])
+    assert counted[0] == counted[2] < counted[1]
+    messages = {**short, "max_tokens": 2}
+    reply = await stack.client.post(
+        "/v1/messages", json=messages, headers={**auth, "Idempotency-Key": "ct-1"}
+    )
+    assert reply.status == 200
+    assert sum(matches(stack, "key", outcome) for outcome in ("attach", "replay", "conflict")) == 0
