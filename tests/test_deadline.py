@@ -248,25 +248,39 @@ def test_speeds_are_learned_from_finished_requests() -> None:
     assert forecaster.tracked() == 0
 
 
-def test_the_expected_output_is_kept_per_thinking_mode() -> None:
-    """Long thinking answers do not lengthen the expected output of answers without thinking."""
-    clock = FakeClock()
-    queue = AdmissionQueue(1, 64, 600.0, Metrics(CollectorRegistry()), clock=clock)
-    forecaster = Forecaster(Metrics(CollectorRegistry()), clock)
+def answer_once(
+    forecaster: Forecaster,
+    queue: AdmissionQueue,
+    clock: FakeClock,
+    completion: int,
+    *,
+    budget: int | None = None,
+    thinking: bool = False,
+) -> None:
+    """One complete non-streamed answer of ``completion`` tokens (50 prompt tokens, 1 s)."""
     ticket = queue.enqueue("a", 1.0, 100)
-    forecaster.track(ticket, Work(50, 50), Forecast(0, 0, 0, 0))
+    forecaster.track(ticket, Work(50, completion), Forecast(0, 0, 0, 0))
     clock.advance(1)
     ticket.release()
     forecaster.settled(
         ticket,
         SPEEDS,
         prompt=50,
-        completion=3000,
+        completion=completion,
         choices=1,
         first_token_s=None,
         complete=True,
-        thinking=True,
+        thinking=thinking,
+        budget=budget,
     )
+
+
+def test_the_expected_output_is_kept_per_thinking_mode() -> None:
+    """Long thinking answers do not lengthen the expected output of answers without thinking."""
+    clock = FakeClock()
+    queue = AdmissionQueue(1, 64, 600.0, Metrics(CollectorRegistry()), clock=clock)
+    forecaster = Forecaster(Metrics(CollectorRegistry()), clock)
+    answer_once(forecaster, queue, clock, 3000, thinking=True)
     assert forecaster.expected_work(SPEEDS, 10, 32_768, 1, thinking=True) == Work(10, 3000)
     assert forecaster.expected_work(SPEEDS, 10, 32_768, 1, thinking=False) == Work(10, 100)
 
@@ -279,20 +293,7 @@ def test_answers_cut_at_their_budget_never_shorten_the_expected_output() -> None
     forecaster = Forecaster(Metrics(CollectorRegistry()), clock)
 
     def answer(completion: int, budget: int) -> None:
-        ticket = queue.enqueue("a", 1.0, 100)
-        forecaster.track(ticket, Work(50, completion), Forecast(0, 0, 0, 0))
-        clock.advance(1)
-        ticket.release()
-        forecaster.settled(
-            ticket,
-            SPEEDS,
-            prompt=50,
-            completion=completion,
-            choices=1,
-            first_token_s=None,
-            complete=True,
-            budget=budget,
-        )
+        answer_once(forecaster, queue, clock, completion, budget=budget)
 
     answer(900, 4096)  # ended by itself: the mean is 900
     for _ in range(50):
