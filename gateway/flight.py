@@ -9,8 +9,8 @@ non-streamed answer its status, headers and body. Other connections (followers,
 Bounds: one flight keeps at most ``retries.buffer_bytes`` (and all flights together at most
 ``retries.max_bytes``, `Flights`). Past the bound the flight is *cut*: no connection may attach
 any more (`attachable` turns False), bytes every attached follower has already written are
-dropped, and a follower that falls more than the bound behind the answer is disconnected
-(its access line says ``client_stalled``): the buffer never grows past the bound whatever the
+dropped, and a follower that falls more than the bound behind the answer is ended with its
+API's error event (`gateway.retries.FollowerBehind`; its access line says ``client_stalled``): the buffer never grows past the bound whatever the
 answer's length.
 
 Connections: ``clients`` counts the connections reading the flight (the leader's while it is
@@ -49,7 +49,7 @@ class Follower:
 
     Attributes:
         pos: absolute chunk index (chunks already dropped count too).
-        lost: it fell behind the bound and must disconnect.
+        lost: it fell behind the bound (or its client stopped reading) and must end.
     """
 
     __slots__ = ("lost", "pos")

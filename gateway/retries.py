@@ -85,6 +85,15 @@ class ReplayUnavailable(ClientError):
     reason = "replay_unavailable"
 
 
+class FollowerBehind(ReplayUnavailable):
+    """409, as a stream's final error event: an attached connection fell more than
+    ``retries.buffer_bytes`` behind the generation, so the rest of the answer is no longer kept
+    for it (`gateway.flight.Flight`). The access line keeps the status sent and says
+    ``client_stalled``."""
+
+    reason = "client_stalled"
+
+
 def body_digest(route: str, raw: bytes) -> bytes:
     """SHA-256 of the route and the body bytes: the copy a request belongs to (with its tenant)."""
     return hashlib.sha256(route.encode() + b"\0" + raw).digest()
@@ -494,7 +503,7 @@ async def _follow_stream(
         changed = flight.changed()
         data = flight.pending(follower)
         if follower.lost:
-            break
+            return await _end_behind(request, call, response, timeout)
         if data:
             try:
                 await asyncio.wait_for(response.write(data), timeout)
@@ -506,6 +515,42 @@ async def _follow_stream(
             await response.write_eof()
             return response
         await changed.wait()
+    return _stalled(request, call, response)
+
+
+async def _end_behind(
+    request: web.Request, call: ModelCall, response: web.StreamResponse, timeout: float
+) -> web.StreamResponse:
+    """The follower fell more than the flight's bound behind (`Flight._trim` dropped what it
+    had not written): like any failure after the headers, its stream ends with its dialect's
+    error event (`FollowerBehind`), logged once as ``retry_follower_behind``; the access line
+    keeps the status sent, ``error_status`` 409 and reason ``client_stalled``. A client that
+    does not take even that event within ``server.client_write_timeout_s`` is cut off (499)."""
+    error = FollowerBehind(
+        "This connection fell more than retries.buffer_bytes behind the generation it was "
+        "attached to, and the rest of the answer is not kept for it; send the request again "
+        "(with a new Idempotency-Key, if it had one)."
+    )
+    context = call.context
+    context.error_status = error.status
+    context.reason = error.reason
+    log.warning("retry_follower_behind", error_status=error.status)
+    event = call.dialect.error_event(error)
+    try:
+        await asyncio.wait_for(response.write(event), timeout)
+        await asyncio.wait_for(response.write_eof(), timeout)
+    except asyncio.TimeoutError:
+        return _stalled(request, call, response)
+    except ConnectionResetError:
+        pass
+    return response
+
+
+def _stalled(
+    request: web.Request, call: ModelCall, response: web.StreamResponse
+) -> web.StreamResponse:
+    """The follower's client took no bytes for ``server.client_write_timeout_s``: 499
+    ``client_stalled``, its connection aborted."""
     call.context.status = 499
     call.context.reason = "client_stalled"
     if request.transport is not None:

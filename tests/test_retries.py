@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from gateway import ledger
 from gateway.flight import Flight
@@ -415,6 +416,52 @@ async def test_buffer_is_bounded(aiohttp_client: Any) -> None:
         again = await stack.client.post(CHAT, json=body, headers=headers)
         assert again.status == 409
         assert (await again.json())["error"]["code"] == "idempotency_replay_unavailable"
+        assert generations(stack) == 1
+
+
+@pytest.mark.parametrize("route", [CHAT, MESSAGES])
+async def test_follower_past_the_bound_ends_with_its_dialects_error_event(
+    aiohttp_client: Any, route: str
+) -> None:
+    """A follower more than retries.buffer_bytes behind (an event larger than the bound arrives
+    before it wrote it) gets its dialect's error event and a clean end, no ``[DONE]``, logged
+    once; the leader still gets the whole answer."""
+    config = {"retries": {"buffer_bytes": 65_536}}
+    sim = {
+        "prefill_ms": 400,
+        "completion_tokens": 3,
+        "token_bytes": 70_000,
+        "tokens_per_second": 10,
+    }
+    async with open_stack(aiohttp_client, config, **sim) as stack:
+        headers = {**AUTH_A, "Idempotency-Key": f"behind-{route}"}
+        body = {**DIALECT_BODIES[route], "stream": True, "max_tokens": 3}
+        with capture_logs() as entries:
+            leading = asyncio.ensure_future(stack.client.post(route, json=body, headers=headers))
+            assert await until(lambda: stack.app[FLIGHTS].bytes > 0 or leading.done(), 0.3)
+            await asyncio.sleep(0.1)  # the leader is at the engine, in its prefill
+            second = await stack.client.post(route, json=body, headers=headers)
+            first = await leading
+            assert first.status == second.status == 200
+            assert second.headers["Idempotent-Replayed"] == "true"
+            attached, whole = await asyncio.gather(second.read(), first.read())
+        assert len(attached) < len(whole)
+        text = attached.decode()
+        if route == CHAT:
+            last = json.loads(sse_data(attached)[-1])
+            assert last["error"]["code"] == "idempotency_replay_unavailable"
+            assert "[DONE]" not in text
+            assert sse_data(whole)[-1] == "[DONE]"
+        else:
+            assert text.rstrip().rsplit("\n\n", 1)[-1].startswith("event: error")
+            assert "message_stop" not in text and "message_stop" in whole.decode()
+        assert "retries.buffer_bytes" in text
+        warned = [e for e in entries if e["event"] == "retry_follower_behind"]
+        assert len(warned) == 1
+        (line,) = [
+            e for e in entries if e["event"] == "request" and e.get("reason") == "client_stalled"
+        ]
+        assert (line["status"], line["error_status"]) == (200, 409)
         assert generations(stack) == 1
 
 
