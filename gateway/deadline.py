@@ -230,15 +230,18 @@ class Forecaster:
                 prefill_s, output_s = self._seconds(settings, entry.work)
                 left = max(0.0, prefill_s + output_s - (now - ticket.granted_at))
                 busy.setdefault(ticket.engine, []).append(left)
+        ahead = queue.ahead_of(tenant, background=background)
         slots: list[float] = []
-        running = 0
+        running = free = 0
         for engine in engines:
             taken = sorted(busy.get(engine.name, ()))[: engine.slots]
             running += len(taken)
             slots.extend(taken)
-            slots.extend([0.0] * (engine.slots - len(taken)))
+            free += engine.slots - len(taken)
+        # Free slots start at 0; the waiters ahead take at most one each, so more than one
+        # beyond them never decides the start (thousands of slots cost nothing per request).
+        slots.extend([0.0] * min(free, len(ahead) + 1))
         heapq.heapify(slots)
-        ahead = queue.ahead_of(tenant, background=background)
         for ticket in ahead:
             known = self._tracked.get(id(ticket))
             if known is None or known.ticket is not ticket:
