@@ -36,20 +36,26 @@ def queue_of(
     )
 
 
-def grant_order(queue: AdmissionQueue, first: Ticket, waiting: list[Ticket]) -> list[str]:
-    """Finish requests one at a time (one slot) and return the tenants in the order granted."""
+def drain_order(queue: AdmissionQueue, holder: Ticket, waiting: list[Ticket]) -> list[Ticket]:
+    """Release the running ticket, then each granted one (one slot), until every waiter has
+    run; the waiters in the order granted."""
+    order: list[Ticket] = []
+    current = holder
     left = list(waiting)
-    order = []
-    current = first
     while left:
         current.release()
         granted = [t for t in left if t.granted]
         assert len(granted) == 1
         current = granted[0]
         left.remove(current)
-        order.append(current.tenant)
+        order.append(current)
     current.release()
     return order
+
+
+def grant_order(queue: AdmissionQueue, first: Ticket, waiting: list[Ticket]) -> list[str]:
+    """Finish requests one at a time (one slot) and return the tenants in the order granted."""
+    return [ticket.tenant for ticket in drain_order(queue, first, waiting)]
 
 
 async def test_grants_at_once_while_a_slot_is_free(metrics: Metrics) -> None:

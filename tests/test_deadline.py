@@ -22,6 +22,7 @@ from gateway.deadline import (
 )
 from gateway.metrics import Metrics
 from tests.clock import FakeClock
+from tests.test_admission import drain_order
 
 pytestmark = pytest.mark.fast
 
@@ -79,22 +80,6 @@ def test_a_stream_is_kept_alive_when_its_beats_come_inside_the_deadline() -> Non
     assert not keepalive_in_time(2.0, 3.0, server)  # opened after the client gave up
     assert not keepalive_in_time(600.0, 0.0, server)  # no keep-alives while queued
     assert keepalive_in_time(6.0, 1.0, ServerSettings(sse_keepalive_s=0.0))  # 5 s fallback
-
-
-def drain_order(queue: AdmissionQueue, holder: Ticket, waiting: list[Ticket]) -> list[Ticket]:
-    """Release the running ticket, then each granted one, until every waiter has run."""
-    order: list[Ticket] = []
-    current = holder
-    left = list(waiting)
-    while left:
-        current.release()
-        granted = [t for t in left if t.granted]
-        assert len(granted) == 1
-        current = granted[0]
-        left.remove(current)
-        order.append(current)
-    current.release()
-    return order
 
 
 @pytest.mark.parametrize("seed", range(40))
