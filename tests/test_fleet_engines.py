@@ -63,6 +63,12 @@ def engine_states(gw: Gateway) -> dict[str, str]:
     return {name: str(d["status"]) for name, d in detail.items()}
 
 
+def streaming_engines(gw: Gateway, count: int = 2) -> list[int]:
+    """The indexes of engines e0..e<count-1> with a request in flight (from ``/ready``)."""
+    detail = httpx.get(gw.url("/ready"), timeout=5).json()["engines"]
+    return [i for i in range(count) if detail[f"e{i}"]["in_flight"] == 1]
+
+
 def served_by(sims: list[Sim]) -> list[int]:
     return [len(s.model_records()) for s in sims]
 
@@ -193,8 +199,7 @@ def test_a_stream_in_flight_on_a_killed_engine_ends_with_an_error_event(
         assert r.status_code == 200
         chunks = r.iter_text()
         text = next(chunks)
-        detail = httpx.get(gw.url("/ready"), timeout=5).json()["engines"]
-        busy = [i for i in range(2) if detail[f"e{i}"]["in_flight"] == 1]
+        busy = streaming_engines(gw)
         assert len(busy) == 1
         sims[busy[0]].proc.kill()  # SIGKILL: a crash, no graceful end of the stream
         text += "".join(chunks)

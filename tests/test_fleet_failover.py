@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import ALIAS, Gateway, Sim, wait_until
-from tests.test_fleet_engines import AUTH, chat, engine_states, fleet
+from tests.test_fleet_engines import AUTH, chat, engine_states, fleet, streaming_engines
 
 FAST_ROTATION = {"rotation_timeout_s": 0.3}
 
@@ -172,8 +172,7 @@ def test_a_stream_on_a_hung_engine_ends_with_an_error_event_when_it_is_down(
         assert r.status_code == 200
         chunks = r.iter_text()
         text = next(chunks)
-        detail = httpx.get(gw.url("/ready"), timeout=5).json()["engines"]
-        busy = [i for i in range(2) if detail[f"e{i}"]["in_flight"] == 1]
+        busy = streaming_engines(gw)
         assert len(busy) == 1
         with stopped(sims[busy[0]]) as at:
             assert chat(gw, max_tokens=2).status_code == 200
