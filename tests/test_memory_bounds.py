@@ -64,7 +64,7 @@ def respond(
     )
 
 
-def test_store_bound_holds_in_rss_and_a_tenant_within_its_share_keeps_its_response(
+def test_c27_store_bound_holds_in_rss_and_a_tenant_within_its_share_keeps_its_response(
     sim_factory, gateway_factory
 ) -> None:
     """store_max_bytes = 20 MB: 40 stored answers of 1 MB grow the gateway by at most 2x the
@@ -108,7 +108,7 @@ def test_store_bound_holds_in_rss_and_a_tenant_within_its_share_keeps_its_respon
         ("/v1/responses", {"input": "Go."}, "responses"),
     ],
 )
-def test_answer_over_the_cap_is_a_502_in_the_clients_shape_and_aborted(
+def test_c30_answer_over_the_cap_is_a_502_in_the_clients_shape_and_aborted(
     sim_factory, gateway_factory, path: str, body: dict[str, Any], shape: str
 ) -> None:
     """A non-streamed engine answer over engine.max_answer_bytes: 502 in the client's API
@@ -139,7 +139,7 @@ def test_answer_over_the_cap_is_a_502_in_the_clients_shape_and_aborted(
     assert line["usage_source"] != "counters" or line["completion_tokens"] > 0
 
 
-def test_event_over_the_cap_ends_the_stream_with_an_error_and_bounded_memory(
+def test_c30_event_over_the_cap_ends_the_stream_with_an_error_and_bounded_memory(
     sim_factory, gateway_factory
 ) -> None:
     """One streamed event over engine.max_event_bytes (a 20 MB token) is never held whole: the
@@ -212,7 +212,7 @@ def probed(gw: Gateway, work: Callable[[], httpx.Response]) -> tuple[httpx.Respo
 
 
 @pytest.mark.parametrize(("megabytes", "status"), [(30, 200), (100, 502)])
-def test_health_answers_fast_while_a_huge_answer_arrives(
+def test_c30_health_answers_fast_while_a_huge_answer_arrives(
     sim_factory, gateway_factory, megabytes: int, status: int
 ) -> None:
     """A 30 MB non-streamed answer (rewritten in the worker process) and a 100 MB one (over the

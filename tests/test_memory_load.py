@@ -94,7 +94,7 @@ EVENT_CAP = 1 * MIB
 PER_STREAM_BOUND = 3 * EVENT_CAP + 320 * 1024
 
 
-def test_slow_readers_of_large_events_hold_at_most_their_per_stream_bound(
+def test_c30_slow_readers_of_large_events_hold_at_most_their_per_stream_bound(
     sim_factory, gateway_factory
 ) -> None:
     """12 streams of 256 KiB events, each read slowly (16 KiB every 20 ms): the gateway's RSS
@@ -186,7 +186,9 @@ def engine_held(gw: Gateway) -> tuple[socket.socket, threading.Thread]:
     return sock, reader
 
 
-def test_flood_of_large_bodies_stays_within_bodies_max_bytes(sim_factory, gateway_factory) -> None:
+def test_c27_flood_of_large_bodies_stays_within_bodies_max_bytes(
+    sim_factory, gateway_factory
+) -> None:
     """30 requests of 3.7 MB bodies arrive at once while the engine's one slot is held: the
     gateway queues what fits server.bodies_max_bytes = 32 MiB and refuses the rest
     (503, or 429 ``memory`` for a tenant past its share) in OpenAI's shape, its RSS grows by at
@@ -271,7 +273,7 @@ def stalled_upload(gw: Gateway, key: str, first: bytes) -> socket.socket:
     return sock
 
 
-def test_stalled_uploads_hold_what_arrived_and_leave_other_tenants_served(
+def test_c27_stalled_uploads_hold_what_arrived_and_leave_other_tenants_served(
     sim_factory, gateway_factory
 ) -> None:
     """17 uploads of tenant A send headers with ``Content-Length: 33000000`` and 12 bytes: they
@@ -331,7 +333,7 @@ LEDGER_PENDING = 2000
 LEDGER_FLOOD = 6000
 
 
-def test_ledger_buffer_holds_max_pending_while_its_file_is_locked(sim_factory, gateway_factory):
+def test_c27_ledger_buffer_holds_max_pending_while_its_file_is_locked(sim_factory, gateway_factory):
     """With the ledger's file locked by another process (every write hangs 5 s, then fails),
     6,000 finished requests keep ledger.max_pending = 2,000 records: RSS grows by at most twice
     2,000 x RECORD_BYTES beside the baseline, the 4,000 dropped are counted and logged with
