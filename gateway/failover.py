@@ -29,8 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-from aiohttp.connector import Connection
 
+from gateway.engine_http import EngineConnection
 from gateway.errors import EngineUnreachable
 from gateway.upstream import SENDING, Upstream, UpstreamAnswer, unread_bytes
 
@@ -102,7 +102,7 @@ class Rotation:
             EngineUnreachable: (``sent``) the engine was declared down before the first byte.
             Everything `Upstream.post` raises.
         """
-        held: list[Connection] = []
+        held: list[EngineConnection] = []
         sending = SENDING.set(held)
         try:
             task = asyncio.ensure_future(upstream.post(path, body, request_id, stream=stream))

@@ -9,8 +9,8 @@ give up on a client that stopped reading, one final error event after the header
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
@@ -91,7 +91,7 @@ class ClientStream:
         call: the model call (its snapshot gives the write timeout, its dialect the error shape).
     """
 
-    __slots__ = ("_call", "_request", "_timeout", "relay", "response", "tap")
+    __slots__ = ("_call", "_direct", "_request", "_timeout", "relay", "response", "tap")
 
     def __init__(self, request: web.Request, call: ModelCall) -> None:
         self._request = request
@@ -100,6 +100,7 @@ class ClientStream:
         self._timeout = call.settings.server.client_write_timeout_s
         self.response: web.StreamResponse | None = None
         self.relay: StreamRelay | None = None  # made when the stream opens (queued or answered)
+        self._direct: asyncio.Transport | None = None  # chunks framed here (see `_write`)
 
     async def start(self) -> web.StreamResponse:
         """Send the SSE headers once: no proxy buffering, no compression (case C01)."""
@@ -118,6 +119,8 @@ class ClientStream:
                 except ConnectionResetError:
                     if tap is None or not tap.lost():
                         raise
+                if response.headers.get("Transfer-Encoding") == "chunked":
+                    self._direct = self._request.transport
             self.response = response
         return self.response
 
@@ -146,15 +149,36 @@ class ClientStream:
                 raise
 
     async def _write(self, response: web.StreamResponse, data: bytes) -> None:
-        transport = self._request.transport
-        if transport is None or (
-            not transport.get_write_buffer_size()
-            and len(data) <= transport.get_write_buffer_limits()[1]
-        ):
-            await response.write(data)
+        """Write ``data`` as one HTTP chunk; wait (at most ``client_write_timeout_s``) only when
+        the client is behind.
+
+        A chunked response (HTTP/1.1, the headers sent) is framed here and written to the
+        transport (``size CRLF data CRLF``, RFC 9112 section 7.1: the bytes aiohttp's writer
+        would send, without its per-write bookkeeping, one event of a stream at a time); the
+        end of the stream and anything else go through aiohttp's writer.
+        """
+        if not data:
             return
+        transport = self._direct
+        if transport is not None:
+            if transport.is_closing():
+                raise ConnectionResetError("the client closed the connection")
+            behind = transport.get_write_buffer_size()
+            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+            if not behind and len(data) <= transport.get_write_buffer_limits()[1]:
+                return
+            writes = self._request.writer.drain()
+        else:
+            transport = self._request.transport
+            if transport is None or (
+                not transport.get_write_buffer_size()
+                and len(data) <= transport.get_write_buffer_limits()[1]
+            ):
+                await response.write(data)
+                return
+            writes = response.write(data)
         try:
-            await asyncio.wait_for(response.write(data), self._timeout)
+            await asyncio.wait_for(writes, self._timeout)
         except asyncio.TimeoutError:
             transport.abort()
             raise ClientStalled(f"client did not read for {self._timeout:g} s") from None
@@ -256,12 +280,8 @@ async def relay_stream(
                     await stream.send(data)
                 first = await _first_read(answer, heartbeat, keepalive)
                 if first is not None:
-                    answer_reads: Any = _prepend(first, answer)
-                else:
-                    answer_reads = answer
-            else:
-                answer_reads = answer
-            async for data in answer_reads:
+                    answer.unread(first)
+            async for data in answer:
                 out = relay.feed(data)
                 if out:
                     if call.ttft_s is None and state.events:
@@ -315,12 +335,6 @@ async def _first_read(answer: UpstreamAnswer, heartbeat: Beat, keepalive: bytes)
     finally:
         if not pending.done():
             pending.cancel()
-
-
-async def _prepend(first: bytes, answer: UpstreamAnswer) -> AsyncIterator[bytes]:
-    yield first
-    async for data in answer:
-        yield data
 
 
 async def relay_json(

@@ -25,10 +25,9 @@ from typing import Any
 
 import aiohttp
 import structlog
-from aiohttp.connector import Connection
-from aiohttp.tracing import Trace
 
 from gateway.config import EngineSettings, EngineSpec
+from gateway.engine_http import EngineConnection, EngineHttpError, EnginePool
 from gateway.engine_state import EngineState as EngineState
 from gateway.engine_state import EngineStatus as EngineStatus
 from gateway.errors import (
@@ -68,26 +67,13 @@ def proves_down(reason: str | None) -> bool:
     return reason == REFUSED or (reason or "").startswith("health status ")
 
 
-SENDING: contextvars.ContextVar[list[Connection] | None] = contextvars.ContextVar(
+SENDING: contextvars.ContextVar[list[EngineConnection] | None] = contextvars.ContextVar(
     "qwen38_sending", default=None
 )
 """When set to a list, each engine connection a POST of this context takes is appended to it."""
 
 
-class _UnixConnector(aiohttp.UnixConnector):
-    """The engine socket's connector, recording each connection it hands out in `SENDING`."""
-
-    async def connect(
-        self, req: aiohttp.ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
-    ) -> Connection:
-        connection = await super().connect(req, traces, timeout)
-        held = SENDING.get()
-        if held is not None:
-            held.append(connection)
-        return connection
-
-
-def unread_bytes(connections: Sequence[Connection]) -> int | None:
+def unread_bytes(connections: Sequence[EngineConnection]) -> int | None:
     """Bytes sent on ``connections`` (Unix sockets) that the engine has not read yet, or None
     when unknown (no connection yet, closed, not a Unix socket).
 
@@ -109,11 +95,13 @@ def unread_bytes(connections: Sequence[Connection]) -> int | None:
 
 
 class Upstream:
-    """The engine over its Unix socket: one aiohttp session, connections pooled.
+    """The engine over its Unix socket (or TLS for an engine on another host): model requests on
+    pooled connections of their own (`gateway.engine_http.EnginePool`), probes and the rest on
+    one aiohttp session.
 
-    Idle pooled connections are closed after ``pool_idle_s`` (below the engine's 5 s keep-alive);
-    there is no total timeout (thinking answers run for many minutes), only ``connect_timeout_s``
-    and ``read_timeout_s`` between two reads. ``progress_at`` is the engine's last sign of life
+    Idle pooled connections are not reused after ``pool_idle_s`` (below the engine's 5 s
+    keep-alive); there is no total timeout (thinking answers run for many minutes), only
+    ``connect_timeout_s`` and ``read_timeout_s`` between two reads. ``progress_at`` is the engine's last sign of life
     (`time.monotonic`): a probe answered, or any byte of any answer (the failover rule of
     `gateway.engine_watch.poll_health`); ``answers`` the answers still open.
     """
@@ -131,10 +119,14 @@ class Upstream:
             # An engine on another host: TLS with the system's trust store and host-name check.
             self.base = spec.url.rstrip("/")
             connector = aiohttp.TCPConnector(keepalive_timeout=settings.pool_idle_s, limit=0)
+            self.pool = EnginePool("", spec.url, settings.pool_idle_s, settings.connect_timeout_s)
         else:
             self.base = "http://engine"
             socket = spec.socket if spec is not None else settings.socket
-            connector = _UnixConnector(path=socket, keepalive_timeout=settings.pool_idle_s, limit=0)
+            connector = aiohttp.UnixConnector(
+                path=socket, keepalive_timeout=settings.pool_idle_s, limit=0
+            )
+            self.pool = EnginePool(socket, "", settings.pool_idle_s, settings.connect_timeout_s)
         self.session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(
@@ -148,6 +140,7 @@ class Upstream:
 
     async def close(self) -> None:
         """Close every pooled connection."""
+        self.pool.close()
         await self.session.close()
 
     def failed(self, error: UpstreamError, cause: BaseException | None = None) -> UpstreamError:
@@ -180,33 +173,43 @@ class Upstream:
             GatewayTimeout: no answer within ``read_timeout_s``.
             EngineDisconnected: the engine dropped the connection and is still up.
         """
+        settings = self.settings
         headers = {
             "Content-Type": "application/json",
             "Accept": "application/json, text/event-stream",
             "X-Request-Id": request_id,
         }
+        head = self.pool.head("POST", path, headers, len(body))
         # A non-streaming answer is silent until it is complete: no read timeout (the caller's
         # total time limit bounds it instead).
-        options: dict[str, Any] = {}
-        if not stream:
-            options["timeout"] = aiohttp.ClientTimeout(
-                total=None, connect=self.settings.connect_timeout_s, sock_read=None
-            )
+        timeout = settings.read_timeout_s if stream else None
         try:
-            response = await self.session.post(
-                f"{self.base}{path}", data=body, headers=headers, compress=False, **options
-            )
-        except _CONNECT_ERRORS as exc:
-            raise self.failed(EngineUnreachable(), exc) from exc
+            connection = await self.pool.acquire()
         except asyncio.TimeoutError as exc:
             raise self.failed(GatewayTimeout(), exc) from exc
-        except aiohttp.ClientError as exc:
-            status, reason = await self.health(timeout=min(1.0, self.settings.connect_timeout_s))
+        except OSError as exc:
+            raise self.failed(EngineUnreachable(), exc) from exc
+        held = SENDING.get()
+        if held is not None:
+            held.append(connection)
+        try:
+            connection.send(head, body)
+            await connection.read_head(timeout)
+        except asyncio.TimeoutError as exc:
+            self.pool.release(connection)
+            raise self.failed(GatewayTimeout(), exc) from exc
+        except EngineHttpError as exc:
+            self.pool.release(connection)
+            status, reason = await self.health(timeout=min(1.0, settings.connect_timeout_s))
             gone = status == "down" and proves_down(reason)
             error = EngineUnreachable(sent=True) if gone else EngineDisconnected()
             raise self.failed(error, exc) from exc
+        except BaseException:
+            connection.abort()
+            self.pool.release(connection)
+            raise
         self.progress_at = time.monotonic()
-        answer = UpstreamAnswer(self, response)
+        answer = UpstreamAnswer(self, connection, timeout)
         self.answers.add(answer)
         return answer
 
@@ -295,15 +298,33 @@ class UpstreamAnswer:
     pool) or `abort` otherwise: closing the socket is how the engine learns to stop generating
     (vLLM aborts a request whose client disconnected). Read failures raise `UpstreamError`s,
     already counted.
+
+    Args:
+        upstream: the engine.
+        connection: the connection the answer arrives on, its head read.
+        timeout: the longest silence between two reads (s), or None.
     """
 
-    __slots__ = ("__weakref__", "_content", "_response", "_upstream", "broken", "status")
+    __slots__ = (
+        "__weakref__",
+        "_connection",
+        "_ended",
+        "_pending",
+        "_timeout",
+        "_upstream",
+        "broken",
+        "status",
+    )
 
-    def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
+    def __init__(
+        self, upstream: Upstream, connection: EngineConnection, timeout: float | None
+    ) -> None:
         self._upstream = upstream
-        self._response = response
-        self._content = response.content
-        self.status = response.status
+        self._connection = connection
+        self._timeout = timeout
+        self._ended = False
+        self._pending: bytes | None = None
+        self.status = connection.status
         self.broken = False  # a read failed: the connection dropped or timed out
 
     def __aiter__(self) -> UpstreamAnswer:
@@ -316,16 +337,36 @@ class UpstreamAnswer:
             GatewayTimeout: no byte for ``engine.read_timeout_s``.
             EngineDisconnected: the connection dropped or the body was malformed.
         """
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            return pending
         try:
-            data = await self._content.readany()
+            data = await self._connection.read(self._timeout)
         except asyncio.TimeoutError as exc:
             self.broken = True
             raise self._upstream.failed(GatewayTimeout(), exc) from exc
-        except aiohttp.ClientError as exc:
+        except EngineHttpError as exc:
             self.broken = True
             raise self._upstream.failed(EngineDisconnected(), exc) from exc
         if not data:
             raise StopAsyncIteration
+        self._upstream.progress_at = time.monotonic()
+        return data
+
+    def unread(self, data: bytes) -> None:
+        """Give ``data`` (a read taken from `__anext__`) back: the next read returns it first."""
+        self._pending = data
+
+    async def _read(self) -> bytes:
+        try:
+            data = await self._connection.read(self._timeout)
+        except asyncio.TimeoutError as exc:
+            self.broken = True
+            raise self._upstream.failed(GatewayTimeout(), exc) from exc
+        except EngineHttpError as exc:
+            self.broken = True
+            raise self._upstream.failed(EngineDisconnected(), exc) from exc
         self._upstream.progress_at = time.monotonic()
         return data
 
@@ -352,27 +393,19 @@ class UpstreamAnswer:
             GatewayTimeout: no byte for ``engine.read_timeout_s``.
             EngineDisconnected: the connection dropped.
         """
-        length = self._response.content_length
+        length = self._connection.content_length
         if length is not None and length > limit:
             raise self._upstream.failed(EngineAnswerTooLarge("answer", limit))
         parts: list[bytes] = []
         size = 0
-        try:
-            while True:
-                data = await self._content.readany()
-                if not data:
-                    return parts
-                size += len(data)
-                self._upstream.progress_at = time.monotonic()
-                if size > limit:
-                    raise self._upstream.failed(EngineAnswerTooLarge("answer", limit))
-                parts.append(data)
-        except asyncio.TimeoutError as exc:
-            self.broken = True
-            raise self._upstream.failed(GatewayTimeout(), exc) from exc
-        except aiohttp.ClientError as exc:
-            self.broken = True
-            raise self._upstream.failed(EngineDisconnected(), exc) from exc
+        while True:
+            data = await self._read()
+            if not data:
+                return parts
+            size += len(data)
+            if size > limit:
+                raise self._upstream.failed(EngineAnswerTooLarge("answer", limit))
+            parts.append(data)
 
     async def error(self) -> GatewayError:
         """The error a non-200 answer stands for (`engine_error`), body read; counted when 5xx."""
@@ -395,14 +428,23 @@ class UpstreamAnswer:
 
     def release(self) -> None:
         """The body was read to its end: return the connection to the pool."""
-        self._upstream.answers.discard(self)
-        self._response.release()
+        self._end(abort=False)
 
     def abort(self) -> None:
         """Close the connection: the engine aborts the generation (case C10); a read waiting on
         it fails (`EngineDisconnected`)."""
+        self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
         self._upstream.answers.discard(self)
-        self._response.close()
+        if self._ended:
+            if abort:
+                self._connection.abort()
+            return
+        self._ended = True
+        if abort:
+            self._connection.abort()
+        self._upstream.pool.release(self._connection)
 
 
 _PARAM_RE = re.compile(r"[a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*")
