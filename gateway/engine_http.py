@@ -328,7 +328,14 @@ class EngineConnection(asyncio.Protocol):
                 if size - pos >= CHUNK_LINE_MAX_BYTES:
                     raise EngineHttpError("a chunk size line is too long")
                 break
-            chunk = _chunk_size(buf[pos:eol])
+            line = buf[pos:eol]
+            if line.isalnum() and b"x" not in line and b"X" not in line:
+                try:
+                    chunk = int(line, 16)
+                except ValueError:
+                    raise EngineHttpError("a chunk size is not hexadecimal") from None
+            else:
+                chunk = _chunk_size(line)  # extensions, or not a size
             start = eol + 2
             if chunk == 0:
                 if buf[start : start + 2] == b"\r\n":
