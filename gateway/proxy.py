@@ -221,7 +221,9 @@ async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
                 if release_waits(call):
                     await run_to_end(release_ticket(request, call, ticket))
                 else:
-                    release_ticket_now(request, call, ticket)
+                    baseline = call.baseline
+                    assert not isinstance(baseline, asyncio.Future)
+                    release_ticket_now(request, call, ticket, baseline)
             finally:
                 finished(call, forecaster)
     except GatewayError as exc:

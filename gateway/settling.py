@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admission import Ticket
-from gateway.counters import generated, settled_counters
+from gateway.counters import Baseline, generated, settled_counters
 from gateway.state import (
     ADMISSION,
     BUDGETS,
@@ -63,17 +63,18 @@ async def release_ticket(request: web.Request, call: ModelCall, ticket: Ticket) 
     """
     assert call.plan is not None
     usage = call.usage
+    pending = call.baseline
+    baseline = pending if not isinstance(pending, asyncio.Future) else None
     try:
-        baseline = call.baseline
-        if isinstance(baseline, asyncio.Future):
-            baseline = await asyncio.shield(baseline)
+        if isinstance(pending, asyncio.Future):
+            baseline = await asyncio.shield(pending)
         if baseline is not None and usage.cut and not usage.settled:
             after = await settled_counters(request.app[UPSTREAM], baseline.counters)
             if after is not None and request.app[ADMISSION].grants == baseline.grants:
                 usage.generated = generated(baseline.counters, after)
                 request.app[IDLE_COUNTERS].keep(after, baseline.grants)
     finally:
-        release_ticket_now(request, call, ticket)
+        release_ticket_now(request, call, ticket, baseline)
 
 
 def release_waits(call: ModelCall) -> bool:
@@ -86,17 +87,35 @@ def release_waits(call: ModelCall) -> bool:
     return baseline is not None and usage.cut and not usage.settled
 
 
-def release_ticket_now(request: web.Request, call: ModelCall, ticket: Ticket) -> None:
-    """The slot given back with what the call used so far (the end of `release_ticket`)."""
+def release_ticket_now(
+    request: web.Request, call: ModelCall, ticket: Ticket, baseline: Baseline | None = None
+) -> None:
+    """The slot given back with what the call used so far (the end of `release_ticket`).
+
+    At one slot the engine's counters for the next request are the call's ``baseline`` (its
+    counters before it, resolved) plus its final usage when it ended complete
+    (`gateway.counters.IdleCounters.advance`), else read in the background.
+    """
     assert call.plan is not None
     usage = call.usage
     if needs_prompt_count(call):
         ticket.release(call.plan.prompt_fallback + usage.completion_so_far())
     else:
-        ticket.release(sum(usage.settle(call.plan.prompt_fallback, call.plan.n)))
+        prompt, completion = usage.settle(call.plan.prompt_fallback, call.plan.n)
+        ticket.release(prompt + completion)
     admission = request.app[ADMISSION]
     if admission.max_concurrency == 1 and admission.in_flight == 0:
-        request.app[IDLE_COUNTERS].refresh(admission.grants)
+        idle = request.app[IDLE_COUNTERS]
+        if (
+            baseline is not None
+            and baseline.grants == admission.grants
+            and usage.settled
+            and usage.source == "engine"
+            and call.plan.n == 1
+        ):
+            idle.advance(baseline, prompt, completion)
+        else:
+            idle.refresh(admission.grants)
 
 
 def needs_prompt_count(call: ModelCall) -> bool:
