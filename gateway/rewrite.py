@@ -8,6 +8,7 @@ Everything the contract does not name passes through untouched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -120,8 +121,10 @@ class RequestPlan:
         )
 
 
+@functools.lru_cache(maxsize=1024)
 def cache_salt(secret: bytes, tenant: str) -> str:
-    """Per-tenant prefix-cache salt: hex HMAC-SHA256 of the tenant name under a server secret.
+    """Per-tenant prefix-cache salt: hex HMAC-SHA256 of the tenant name under a server secret
+    (kept per tenant and secret: every request of the tenant asks).
 
     Tenants never share cached prefixes (a timing side channel), while one tenant's requests
     still hit its own cache (vLLM docs, "Automatic Prefix Caching", ``cache_salt``).
