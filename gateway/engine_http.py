@@ -27,6 +27,8 @@ HEAD_MAX_BYTES = 64 * 1024
 """Longest status line and headers accepted from the engine (uvicorn sends about 150 bytes)."""
 CHUNK_LINE_MAX_BYTES = 1024
 """Longest chunk-size line (hex size and extensions) accepted."""
+SMALL_BODY_BYTES = 64 * 1024
+"""Request bodies up to this size are joined to their head and written in one piece."""
 READ_HIGH_WATER = 256 * 1024
 """Bytes received and not yet read by the relay above which the socket is no longer read:
 a client that reads slowly holds the engine's answer back in the kernel, not in the gateway."""
@@ -133,10 +135,10 @@ class EngineConnection(asyncio.Protocol):
         self._keep_alive = False
         self._mode = _DONE
         self._last = self._loop_time()
-        if body:
+        if len(body) > SMALL_BODY_BYTES:
             transport.writelines((head, body))
         else:
-            transport.write(head)
+            transport.write(head + body)  # one copy of a small body, one plain write
 
     async def _wait(self, timeout: float | None) -> None:
         """Wait for more bytes (or the connection's end); fail when none has arrived for
