@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.config import TenantSettings
-from gateway.quota import Quota, QuotaReservation
-from gateway.ratelimit import RateLimiter, Reservation
+from gateway.quota import MemoryQuota, Quota, QuotaReservation
+from gateway.ratelimit import MemoryRateLimiter, RateLimiter, Reservation
 
 
 @dataclass
@@ -70,6 +70,19 @@ class Budgets:
         await self.limiter.settle(hold.rate, tokens)
         if hold.quota is not None:
             await self.quota.settle(hold.quota, tokens)
+
+    @property
+    def in_memory(self) -> bool:
+        """Both backends are in this process's memory (`settle_now` applies)."""
+        return isinstance(self.limiter, MemoryRateLimiter) and isinstance(self.quota, MemoryQuota)
+
+    def settle_now(self, hold: Hold, tokens: int) -> None:
+        """`settle` without awaiting; only when `in_memory`."""
+        limiter, quota = self.limiter, self.quota
+        assert isinstance(limiter, MemoryRateLimiter) and isinstance(quota, MemoryQuota)
+        limiter.settle_now(hold.rate, tokens)
+        if hold.quota is not None:
+            quota.settle_now(hold.quota, tokens)
 
     async def release(self, hold: Hold) -> None:
         """The call used no tokens (refused or counted nothing): give everything back."""

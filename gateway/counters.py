@@ -31,6 +31,14 @@ request's POST, and vLLM counts a request's tokens only after an engine step has
 it counts as running; a reading that shows anything running or waiting is not used. The request
 path reads the counters itself only when there is no idle reading since the previous grant (the
 first request, or the queue granted it the slot straight from the previous one).
+
+Most requests end complete, with the engine's final usage: the counters after such a request
+are the ones before it plus that usage (vLLM adds each request's prompt and output token counts
+to the two counters), so the next request's baseline is that sum, not another ``GET /metrics``
+(`IdleCounters.advance`). The sums are checked against a reading at first and then once in
+`SUM_CHECK_EVERY`; one that differs (an engine counting otherwise, or another client of the
+engine) stops them for good. Between two checks a foreign client's tokens would go unseen by
+the sums; with the engine's only slot held by the gateway there is none.
 """
 
 from __future__ import annotations
@@ -41,7 +49,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import structlog
+
 from gateway.upstream import Upstream
+
+log = structlog.get_logger("gateway.counters")
 
 SETTLE_BOUND_S = 2.0
 """Longest wait after a cut for the engine's abort to land (the slot stays held meanwhile)."""
@@ -51,6 +63,9 @@ SETTLE_POLL_S = 0.02
 """Pause between two reads of the engine's /metrics while waiting for the abort."""
 BASELINE_TIMEOUT_S = 0.5
 """Longest wait for the engine's /metrics before a request is sent (then no baseline)."""
+SUM_CHECK_EVERY = 16
+"""Of the readings replaced by sums (`IdleCounters.advance`), one in this many is still read
+and compared with its sum."""
 
 _NAMES = {
     b"vllm:prompt_tokens_total": "prompt",
@@ -207,12 +222,41 @@ class IdleCounters:
         self._timeout = timeout
         self._latest: Baseline | None = None
         self._reading: asyncio.Task[Baseline | None] | None = None
+        self._summable: bool | None = None  # sums matched readings (None: not compared yet)
+        self._sums = 0
+        self._expected: Baseline | None = None
 
     def refresh(self, grants: int) -> None:
         """Read the counters in the background; ``grants`` is the admission queue's grant count
         now, with no request at the engine."""
         if self._reading is None or self._reading.done():
             self._reading = asyncio.ensure_future(self._read(grants))
+
+    def advance(self, baseline: Baseline, prompt_tokens: int, completion_tokens: int) -> None:
+        """The request granted as number ``baseline.grants`` ended complete, the engine's final
+        usage ``prompt_tokens`` and ``completion_tokens`` (one sequence), nothing at the engine
+        since: the counters after it are ``baseline`` plus that usage, without a reading.
+
+        vLLM adds a request's prompt and output token counts to ``vllm:prompt_tokens_total`` and
+        ``vllm:generation_tokens_total``; whether an engine does is checked, not assumed: the
+        first sum, and one in `SUM_CHECK_EVERY` after it, is read as well (`refresh`) and
+        compared; sums are kept only while they match, and one difference (an engine that
+        counts otherwise) stops them for good (logged ``engine_counters_not_summable``).
+        """
+        counters = baseline.counters
+        after = EngineCounters(
+            counters.prompt_tokens + prompt_tokens,
+            counters.generation_tokens + completion_tokens,
+            0.0,
+            counters.created,
+        )
+        self._sums += 1
+        if self._summable and self._sums % SUM_CHECK_EVERY:
+            self._latest = Baseline(after, baseline.grants)
+            return
+        if self._summable is not False:
+            self._expected = Baseline(after, baseline.grants)
+        self.refresh(baseline.grants)
 
     def keep(self, counters: EngineCounters, grants: int) -> None:
         """Keep ``counters`` read at the end of the request granted as number ``grants`` (its
@@ -268,8 +312,24 @@ class IdleCounters:
         return Baseline(result.counters, grants)
 
     async def _read(self, grants: int) -> Baseline | None:
+        expected, self._expected = self._expected, None
         counters = await read_counters(self._upstream, timeout=self._timeout)
         if counters is None or counters.busy != 0:
             return None
+        if expected is not None and expected.grants == grants and self._summable is not False:
+            sums = expected.counters
+            if (sums.prompt_tokens, sums.generation_tokens, sums.created) == (
+                counters.prompt_tokens,
+                counters.generation_tokens,
+                counters.created,
+            ):
+                self._summable = True
+            else:
+                self._summable = False
+                log.warning(
+                    "engine_counters_not_summable",
+                    summed=[sums.prompt_tokens, sums.generation_tokens],
+                    read=[counters.prompt_tokens, counters.generation_tokens],
+                )
         self._latest = Baseline(counters, grants)
         return self._latest

@@ -315,6 +315,8 @@ class EngineConnection(asyncio.Protocol):
         find = buf.find
         pos = 0
         out: list[bytes] = []
+        if not self._left and not self._chunk_end:
+            pos = _whole_chunks(buf, out)
         while pos < size:
             if self._left:
                 end = min(size, pos + self._left)
@@ -337,7 +339,14 @@ class EngineConnection(asyncio.Protocol):
                 if size - pos >= CHUNK_LINE_MAX_BYTES:
                     raise EngineHttpError("a chunk size line is too long")
                 break
-            chunk = _chunk_size(buf[pos:eol])
+            line = buf[pos:eol]
+            if line.isalnum() and b"x" not in line and b"X" not in line:
+                try:
+                    chunk = int(line, 16)
+                except ValueError:
+                    raise EngineHttpError("a chunk size is not hexadecimal") from None
+            else:
+                chunk = _chunk_size(line)  # extensions, or not a size
             start = eol + 2
             if chunk == 0:
                 if buf[start : start + 2] == b"\r\n":
@@ -399,6 +408,41 @@ class EngineConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
         self._wake()
+
+
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
+
+def _whole_chunks(buf: bytes, out: list[bytes]) -> int:
+    """Take the run of whole chunks at the start of ``buf`` (which starts at a chunk-size line)
+    whose payloads hold no CRLF, the engine's usual chunks (an SSE event each); their payloads
+    are appended to ``out`` and the offset after them returned (0: none).
+
+    ``buf`` is split at every CRLF once: a chunk is whole when its size line is followed by
+    exactly that many bytes and a CRLF, so the split's pieces pair up as size and payload. The
+    first piece that does not (a chunk cut short, one holding a CRLF, extensions, the last
+    chunk) ends the run; `EngineConnection._dechunk` reads on from there byte by byte.
+
+    Raises:
+        EngineHttpError: a size of the run is not plain hexadecimal digits.
+    """
+    parts = buf.split(b"\r\n")
+    last = len(parts) - 1  # what follows the last CRLF
+    index = 0
+    try:
+        while index + 1 < last:
+            size = int(parts[index], 16)
+            if not size or size != len(parts[index + 1]):
+                break
+            index += 2
+    except ValueError:
+        pass
+    if not index:
+        return 0
+    if b"".join(parts[0:index:2]).translate(None, _HEX_DIGITS):
+        raise EngineHttpError("a chunk size is not hexadecimal")
+    out.extend(parts[1:index:2])
+    return sum(map(len, parts[:index])) + 2 * index
 
 
 def _chunk_size(line: bytes) -> int:

@@ -86,8 +86,21 @@ def new_record_id() -> str:
 
 
 def utc_day(ts: float) -> str:
-    """The UTC calendar date of ``ts`` (seconds since the Unix epoch) as ``YYYY-MM-DD``."""
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d")
+    """The UTC calendar date of ``ts`` (seconds since the Unix epoch) as ``YYYY-MM-DD``.
+
+    The last day is kept (its first second and its name): records of one day ask alike.
+    """
+    global _last_day
+    start, name = _last_day
+    if start <= ts < start + 86_400:
+        return name
+    moment = dt.datetime.fromtimestamp(ts, dt.timezone.utc)
+    day0 = dt.datetime(moment.year, moment.month, moment.day, tzinfo=dt.timezone.utc)
+    _last_day = (day0.timestamp(), day0.strftime("%Y-%m-%d"))
+    return _last_day[1]
+
+
+_last_day: tuple[float, str] = (float("inf"), "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,15 @@ from gateway.retries import (
     lead,
     retry_count,
 )
-from gateway.settling import release_ticket, run_to_end, settle, take_baseline
+from gateway.settling import (
+    release_ticket,
+    release_ticket_now,
+    release_waits,
+    run_to_end,
+    settle,
+    settle_now,
+    take_baseline,
+)
 from gateway.state import (
     ADMISSION,
     ANSWER_WORKER,
@@ -210,7 +218,12 @@ async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
                 return await admit_and_call(request, call)
         finally:
             try:
-                await run_to_end(release_ticket(request, call, ticket))
+                if release_waits(call):
+                    await run_to_end(release_ticket(request, call, ticket))
+                else:
+                    baseline = call.baseline
+                    assert not isinstance(baseline, asyncio.Future)
+                    release_ticket_now(request, call, ticket, baseline)
             finally:
                 finished(call, forecaster)
     except GatewayError as exc:
@@ -219,7 +232,8 @@ async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
         raise
     finally:
         try:
-            await run_to_end(settle(request, call))
+            if not settle_now(request, call):
+                await run_to_end(settle(request, call))
         finally:
             metrics.in_flight.labels(label).dec()
 

@@ -52,7 +52,13 @@ class Window:
 
 
 def windows_at(now: float) -> tuple[Window, Window]:
-    """The UTC day and calendar month containing ``now`` (seconds since the Unix epoch)."""
+    """The UTC day and calendar month containing ``now`` (seconds since the Unix epoch).
+
+    The last answer is kept: every request asks, and the day changes once a day.
+    """
+    last = _last_windows
+    if last is not None and last[0].start <= now < last[0].end:
+        return last
     moment = dt.datetime.fromtimestamp(now, _UTC)
     day0 = dt.datetime(moment.year, moment.month, moment.day, tzinfo=_UTC)
     month0 = dt.datetime(moment.year, moment.month, 1, tzinfo=_UTC)
@@ -62,7 +68,16 @@ def windows_at(now: float) -> tuple[Window, Window]:
         month1 = dt.datetime(moment.year, moment.month + 1, 1, tzinfo=_UTC)
     day = Window("day", day0.strftime("%Y-%m-%d"), day0.timestamp(), day0.timestamp() + 86_400)
     month = Window("month", month0.strftime("%Y-%m"), month0.timestamp(), month1.timestamp())
-    return day, month
+    return _remember((day, month))
+
+
+_last_windows: tuple[Window, Window] | None = None
+
+
+def _remember(windows: tuple[Window, Window]) -> tuple[Window, Window]:
+    global _last_windows
+    _last_windows = windows
+    return windows
 
 
 def limit_of(tenant: TenantSettings, window: str) -> int | None:

@@ -22,17 +22,31 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_to_bytes
 
 # What starts a credential once decoded: API keys, JWTs, Authorization values.
 _PREFIXES = ("sk-", "eyj", "bearer", "basic ")
 _B64_RE = re.compile(r"[A-Za-z0-9+/_-]{8,}={0,2}")
 # The shortest credential the gateway accepts (`gateway.credentials.MIN_PLAINTEXT_SECRET`).
 MIN_SECRET_CHARS = 16
+
+
+_PLAIN_SECRET_RE = re.compile(r"[A-Za-z0-9_\-.]+")
+
+
+@functools.lru_cache(maxsize=64)
+def _own_credential(authorization: str) -> OwnCredential | None:
+    secret = authorization.strip().partition(" ")[2].strip()
+    if len(secret) < MIN_SECRET_CHARS:
+        return None
+    raw = secret.encode("utf-8", "surrogatepass")
+    plain = _PLAIN_SECRET_RE.fullmatch(secret) is not None
+    return OwnCredential(secret, raw, tuple(_base64_cores(raw)), plain)
 
 
 def _decodings(text: str) -> Iterator[str]:
@@ -90,24 +104,31 @@ class OwnCredential:
     text: str
     raw: bytes
     cores: tuple[bytes, ...]
+    plain: bool = False
 
     @classmethod
     def of(cls, authorization: str | None) -> OwnCredential | None:
-        """From an ``Authorization`` value (``Bearer <secret>``)."""
+        """From an ``Authorization`` value (``Bearer <secret>``); the last few are kept, a
+        client sends the same one on every request."""
         if not authorization:
             return None
-        secret = authorization.strip().partition(" ")[2].strip()
-        if len(secret) < MIN_SECRET_CHARS:
-            return None
-        raw = secret.encode("utf-8", "surrogatepass")
-        return cls(secret, raw, tuple(_base64_cores(raw)))
+        return _own_credential(authorization)
 
     def found_in(self, raw: bytes, body: Any) -> bool:
         """True when ``raw`` (the body's bytes) or any string of ``body`` (the parsed JSON, keys
         included) holds the secret as it is, JSON-unescaped, percent-decoded or base64-encoded.
-        Iterative, so any nesting the parser accepted is walked without recursion."""
+        Iterative, so any nesting the parser accepted is walked without recursion.
+
+        A secret of base64url characters and dots (keys and JWTs) can only be hidden from a
+        search of ``raw`` by a ``\\u`` escape (JSON escapes nothing else of those characters;
+        ``\\/`` can hide the ``/`` of a standard base64 form) or by percent-encoding: without
+        either escape in ``raw`` the search is over ``raw`` and its percent-decoding, and the
+        strings are not walked.
+        """
         if self.raw in raw or any(core in raw for core in self.cores):
             return True
+        if self.plain and b"\\u" not in raw and b"\\/" not in raw:
+            return b"%" in raw and self.raw in unquote_to_bytes(raw)
         stack: list[Any] = [body]
         while stack:
             item = stack.pop()

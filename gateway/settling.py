@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admission import Ticket
-from gateway.counters import generated, settled_counters
+from gateway.counters import Baseline, generated, settled_counters
 from gateway.state import (
     ADMISSION,
     BUDGETS,
@@ -63,23 +63,59 @@ async def release_ticket(request: web.Request, call: ModelCall, ticket: Ticket) 
     """
     assert call.plan is not None
     usage = call.usage
+    pending = call.baseline
+    baseline = pending if not isinstance(pending, asyncio.Future) else None
     try:
-        baseline = call.baseline
-        if isinstance(baseline, asyncio.Future):
-            baseline = await asyncio.shield(baseline)
+        if isinstance(pending, asyncio.Future):
+            baseline = await asyncio.shield(pending)
         if baseline is not None and usage.cut and not usage.settled:
             after = await settled_counters(request.app[UPSTREAM], baseline.counters)
             if after is not None and request.app[ADMISSION].grants == baseline.grants:
                 usage.generated = generated(baseline.counters, after)
                 request.app[IDLE_COUNTERS].keep(after, baseline.grants)
     finally:
-        if needs_prompt_count(call):
-            ticket.release(call.plan.prompt_fallback + usage.completion_so_far())
+        release_ticket_now(request, call, ticket, baseline)
+
+
+def release_waits(call: ModelCall) -> bool:
+    """`release_ticket` has something to wait for: a baseline reading still under way, or the
+    engine's counters after a cut (otherwise `release_ticket_now` does it all)."""
+    baseline = call.baseline
+    if isinstance(baseline, asyncio.Future):
+        return True
+    usage = call.usage
+    return baseline is not None and usage.cut and not usage.settled
+
+
+def release_ticket_now(
+    request: web.Request, call: ModelCall, ticket: Ticket, baseline: Baseline | None = None
+) -> None:
+    """The slot given back with what the call used so far (the end of `release_ticket`).
+
+    At one slot the engine's counters for the next request are the call's ``baseline`` (its
+    counters before it, resolved) plus its final usage when it ended complete
+    (`gateway.counters.IdleCounters.advance`), else read in the background.
+    """
+    assert call.plan is not None
+    usage = call.usage
+    if needs_prompt_count(call):
+        ticket.release(call.plan.prompt_fallback + usage.completion_so_far())
+    else:
+        prompt, completion = usage.settle(call.plan.prompt_fallback, call.plan.n)
+        ticket.release(prompt + completion)
+    admission = request.app[ADMISSION]
+    if admission.max_concurrency == 1 and admission.in_flight == 0:
+        idle = request.app[IDLE_COUNTERS]
+        if (
+            baseline is not None
+            and baseline.grants == admission.grants
+            and usage.settled
+            and usage.source == "engine"
+            and call.plan.n == 1
+        ):
+            idle.advance(baseline, prompt, completion)
         else:
-            ticket.release(sum(usage.settle(call.plan.prompt_fallback, call.plan.n)))
-        admission = request.app[ADMISSION]
-        if admission.max_concurrency == 1 and admission.in_flight == 0:
-            request.app[IDLE_COUNTERS].refresh(admission.grants)
+            idle.refresh(admission.grants)
 
 
 def needs_prompt_count(call: ModelCall) -> bool:
@@ -119,6 +155,27 @@ async def settle(request: web.Request, call: ModelCall) -> None:
         usage.prompt_tokens = await counter.count_prompt(
             call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
         )
+    tokens = _count(request, call)
+    await request.app[BUDGETS].settle(call.hold, tokens)
+
+
+def settle_now(request: web.Request, call: ModelCall) -> bool:
+    """`settle` without awaiting, when it has nothing to wait for (no prompt count to ask the
+    engine, budgets in memory); False (nothing done) otherwise."""
+    assert call.plan is not None and call.hold is not None
+    if needs_prompt_count(call) and request.app[ENGINE_STATE].ready:
+        return False
+    budgets = request.app[BUDGETS]
+    if not budgets.in_memory:
+        return False
+    budgets.settle_now(call.hold, _count(request, call))
+    return True
+
+
+def _count(request: web.Request, call: ModelCall) -> int:
+    """Make the usage final and count its tokens in the metrics; prompt plus completion."""
+    assert call.plan is not None
+    usage = call.usage
     prompt, completion = usage.settle(call.plan.prompt_fallback, call.plan.n)
     if usage.source in ("engine", "streamed", "counters") and prompt > call.plan.prompt_ceiling:
         # The template rendered more than `gateway.ceiling` bounds: the reservation was short.
@@ -133,4 +190,4 @@ async def settle(request: web.Request, call: ModelCall) -> None:
         metrics = request.app[METRICS]
         metrics.tokens.labels(call.caller.label, "prompt").inc(prompt)
         metrics.tokens.labels(call.caller.label, "completion").inc(completion)
-    await request.app[BUDGETS].settle(call.hold, prompt + completion)
+    return prompt + completion

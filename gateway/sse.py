@@ -213,31 +213,26 @@ class SseRelay:
     def _plain_events(self, chunk: bytes) -> bytes | None:
         """Relay a run of whole events in a few byte operations, or None to go event by event.
 
-        Applies to the common read: one or more ``data: {<json>}\\n\\n`` events (so none is
-        ``[DONE]``), no comment, multi-line or empty block, no error event (payload starting
-        ``{"error"``), no usage, nothing after ``[DONE]``, no chunk carrying both reasoning
-        names. For these `_data` would only count events and finish reasons and rename
+        Applies to the common read: one or more ``data: {"id":<...>}\\n\\n`` events (vLLM
+        writes ``id`` first; an error event, ``{"error"...``, never matches), so none is
+        ``[DONE]``, no comment, multi-line or empty block, nothing after ``[DONE]``, no
+        usage-only chunk (``"choices":[]``), no chunk carrying both reasoning names. For these
+        `_data` would only count events and finish reasons, cut the running usage and rename
         ``reasoning``/``model``, which give the same bytes done on the whole run at once. (The
         model rename is done run-wide only when there is one ``"model":"<engine name>"`` per
-        event: vLLM puts exactly one at the top of each chunk.) A single event, the usual read
-        at the engine's pace, is recognised by its only newlines ending it.
+        event: vLLM puts exactly one at the top of each chunk.) The framing takes two counts:
+        every newline of the run belongs to a ``}\\n\\ndata: {"id":`` boundary or to the
+        final ``}\\n\\n``.
         """
         state = self.state
-        if state.done or not chunk.startswith(b"data: {") or chunk.startswith(b'data: {"error"'):
+        if state.done or not chunk.startswith(_FIRST_EVENT) or not chunk.endswith(b"}\n\n"):
             return None
-        if chunk.find(b"\n") == len(chunk) - 2:
-            events = 1
-            if chunk[-3] != 0x7D:  # "}": the payload is not an object
-                return None
-        else:
-            events = chunk.count(b"\n\n")
-            if (
-                chunk.count(b"\n") != 2 * events
-                or chunk.count(b"\n\ndata: {") != events - 1
-                or chunk.count(b"}\n\n") != events
-                or b'\n\ndata: {"error"' in chunk
-            ):
-                return None
+        lines = chunk.count(b"\n")
+        events = lines >> 1
+        if lines & 1 or (events > 1 and chunk.count(_EVENT_BOUNDARY) != events - 1):
+            return None
+        if events == 1 and lines != 2:
+            return None
         reasoning = b'"reasoning":' in chunk
         if (
             (reasoning and b'"reasoning_content":' in chunk)
@@ -245,11 +240,12 @@ class SseRelay:
             or b'"choices":[]' in chunk
         ):
             return None
-        if b'"usage":' in chunk:
+        usages = chunk.count(_USAGE_KEY)
+        if usages:
             if events == 1:
                 chunk = self._take_running_usage(chunk)  # the framing is left as it is
             else:
-                run = self._running_of_run(chunk, events)
+                run = self._running_of_run(chunk, events) if usages == events else None
                 if run is not None:
                     chunk = run
                 else:
@@ -353,9 +349,10 @@ class SseRelay:
 
     def _running_of_run(self, chunk: bytes, events: int) -> bytes | None:
         """A run of ``events`` single-choice events each carrying one ``usage`` object of
-        vLLM's form: the last one recorded in one pass, the run returned without them (unless
-        the client asked for them); None to go event by event."""
-        if self._n != 1 or chunk.count(_USAGE_KEY) != events:
+        vLLM's form (the caller counted one ``usage`` key per event): the last one recorded,
+        the run returned without them (unless the client asked for them); None to go event by
+        event. The objects are found by `_USAGE_OBJECT` in one pass."""
+        if self._n != 1:
             return None
         if self._wants_running:
             if len(_USAGE_OBJECT.findall(chunk)) != events:
@@ -385,6 +382,8 @@ class SseRelay:
 
 
 _USAGE_KEY = b',"usage":{'
+_FIRST_EVENT = b'data: {"id":'
+_EVENT_BOUNDARY = b'}\n\ndata: {"id":'
 _USAGE_OBJECT = re.compile(
     rb',"usage":\{(?:[^{}\[\]\\"]|"[^"\\]*"|\{(?:[^{}\[\]\\"]|"[^"\\]*")*\})*\}'
 )

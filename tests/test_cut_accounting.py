@@ -20,6 +20,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine.sim.keys import METRICS as SIM_METRICS
+from gateway.counters import SUM_CHECK_EVERY
 from gateway.state import (
     ADMISSION,
     FINISH_HOOKS,
@@ -228,6 +229,80 @@ async def test_baseline_is_read_while_the_engine_is_idle_not_on_the_request_path
     prompt, completion, source = one_charge(seen, logs)
     assert source == "counters"
     assert (prompt, completion) == (after[0] - before[0], after[1] - before[1])
+
+
+def count_readings(stack: Stack) -> list[int]:
+    """Count the gateway's reads of the engine's ``/metrics`` from now on (one-item list)."""
+    upstream = stack.app[UPSTREAM]
+    real = upstream.metrics_text
+    reads = [0]
+
+    async def metrics_text(timeout: float) -> str | None:
+        reads[0] += 1
+        return await real(timeout)
+
+    upstream.metrics_text = metrics_text  # type: ignore[method-assign]
+    return reads
+
+
+async def test_complete_requests_sum_the_counters_instead_of_reading_them(
+    stack: Stack, logs: list[MutableMapping[str, Any]]
+) -> None:
+    """With one slot a complete request's counters after it are the ones before plus its final
+    usage: 40 complete requests read ``/metrics`` a few times, not 40, and a cut request after
+    them is still charged the exact counter delta."""
+    assert stack.sim is not None
+    reads = count_readings(stack)
+    idle = stack.app[IDLE_COUNTERS]
+    for tokens in range(1, 41):
+        body = chat_body(sim={"completion_tokens": tokens % 7 + 1}, max_tokens=50)
+        r = await stack.client.post(CHAT, json=body, headers=AUTH_A)
+        assert r.status == 200
+        await r.read()
+        assert await until(lambda: idle._reading is None or idle._reading.done())
+    assert idle._summable is True
+    assert 2 <= reads[0] <= 2 + 40 // SUM_CHECK_EVERY + 1
+    seen = finished(stack)
+    before = engine_counters(stack.sim)
+    await leave_after_events(stack, chat_body(stream=True, max_tokens=4000, sim=LAGGING), 3)
+    assert await until(lambda: bool(seen))
+    after = engine_counters(stack.sim)
+    prompt, completion, source = one_charge(seen, logs)
+    assert source == "counters"
+    assert (prompt, completion) == (after[0] - before[0], after[1] - before[1])
+
+
+async def test_counters_moved_by_another_client_stop_the_sums(
+    stack: Stack, logs: list[MutableMapping[str, Any]]
+) -> None:
+    """An engine whose counters do not add up to the gateway's usage (another client of the
+    engine generated meanwhile) is caught by the next check: sums stop for good (logged
+    ``engine_counters_not_summable``), every later request's counters are read."""
+    assert stack.sim is not None
+    idle = stack.app[IDLE_COUNTERS]
+
+    async def one() -> None:
+        r = await stack.client.post(CHAT, json=chat_body(max_tokens=5), headers=AUTH_A)
+        assert r.status == 200
+        await r.read()
+        assert await until(lambda: idle._reading is None or idle._reading.done())
+
+    for _ in range(3):
+        await one()
+    assert idle._summable is True
+    connector = aiohttp.UnixConnector(path=stack.sim.socket)
+    async with aiohttp.ClientSession(connector=connector) as direct:
+        body = chat_body(model=ENGINE_MODEL, max_tokens=5)
+        async with direct.post("http://engine" + CHAT, json=body) as r:
+            assert r.status == 200
+    for _ in range(SUM_CHECK_EVERY):
+        await one()
+    assert idle._summable is False
+    assert [e for e in logs if e.get("event") == "engine_counters_not_summable"]
+    reads = count_readings(stack)
+    for _ in range(3):
+        await one()
+    assert reads[0] == 3
 
 
 async def test_cut_non_stream_request_is_charged_the_engine_counter_delta(
