@@ -10,9 +10,11 @@ descriptors) of the gateway process.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 # Time to first token on a V100 at ~30 tok/s: tens of ms for a cached short prompt, minutes of
@@ -153,6 +155,28 @@ class EngineSlotGauges(Collector):
         yield slots
         yield busy
         yield rotation
+
+
+def _remember_children(family: MetricWrapperBase) -> None:
+    """Answer ``family.labels(*values)`` from a dict after its first call with those values.
+
+    prometheus_client keeps one child per label values and returns it on every call (after
+    checking the values, turning each into a string and taking a lock: a few µs, a dozen times
+    per request); the gateway never removes a child, and its label values come from bounded
+    sets (the module doc), so the dict stays small. Keyword labels go to the original.
+    """
+    children: dict[tuple[Any, ...], Any] = {}
+    find = family.labels
+
+    def labels(*values: Any, **named: Any) -> Any:
+        if named:
+            return find(*values, **named)
+        child = children.get(values)
+        if child is None:
+            child = children[values] = find(*values)
+        return child
+
+    family.labels = labels  # type: ignore[method-assign]
 
 
 class Metrics:
@@ -389,6 +413,9 @@ class Metrics:
         registry.register(self.quota)
         self.engine_slots = EngineSlotGauges()
         registry.register(self.engine_slots)
+        for family in vars(self).values():
+            if isinstance(family, MetricWrapperBase) and family._labelnames:
+                _remember_children(family)
 
     # The usage ledger's writer thread reports through these (gateway.ledger.LedgerMetrics).
     def ledger_written(self, count: int) -> None:

@@ -53,6 +53,8 @@ REFUSED = "connection refused"
 """Probe reason: the socket is missing or refuses connections (the engine process is gone)."""
 ERROR_BODY_MAX_BYTES = 1 << 20
 """Most bytes of a non-200 engine answer read (vLLM's error bodies are a few hundred bytes)."""
+DROP_RECHECK_S = 0.1
+"""Pause before the second ``/health`` probe after a dropped connection (`Upstream.post`)."""
 HEALTH_TIMEOUT = "health timeout"
 """Probe reason: no answer within the probe's timeout (a slow engine gives it too)."""
 
@@ -200,8 +202,7 @@ class Upstream:
             raise self.failed(GatewayTimeout(), exc) from exc
         except EngineHttpError as exc:
             self.pool.release(connection)
-            status, reason = await self.health(timeout=min(1.0, settings.connect_timeout_s))
-            gone = status == "down" and proves_down(reason)
+            gone = await self._proved_down(min(1.0, settings.connect_timeout_s))
             error = EngineUnreachable(sent=True) if gone else EngineDisconnected()
             raise self.failed(error, exc) from exc
         except BaseException:
@@ -212,6 +213,21 @@ class Upstream:
         answer = UpstreamAnswer(self, connection, timeout)
         self.answers.add(answer)
         return answer
+
+    async def _proved_down(self, timeout: float) -> bool:
+        """After a connection dropped before any answer: True when ``/health`` proves the
+        engine down (`proves_down`). A process that is exiting may still hold its socket, or
+        a probe may go out on a pooled connection it already closed, for a moment: a probe
+        that proves nothing is made once more after `DROP_RECHECK_S`."""
+        for attempt in range(2):
+            if attempt:
+                await asyncio.sleep(DROP_RECHECK_S)
+            status, reason = await self.health(timeout=timeout)
+            if status == "down" and proves_down(reason):
+                return True
+            if status == "ready":
+                return False
+        return False
 
     async def count_prompt(self, body: bytes, timeout: float) -> int | None:
         """The engine's own prompt token count of an engine request body, or None.
