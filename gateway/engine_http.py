@@ -63,7 +63,7 @@ class EngineConnection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._eof = False
-        self._lost = False
+        self._aborted = False
         self._mode = _DONE
         self._left = 0  # bytes left in the current chunk (chunked) or the body (length)
         self._chunk_end = False  # a chunk's payload ended: its CRLF comes next
@@ -99,7 +99,7 @@ class EngineConnection(asyncio.Protocol):
         return False  # the transport closes itself
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._eof = self._lost = True
+        self._eof = True
         self._wake()
 
     def _wake(self) -> None:
@@ -113,11 +113,14 @@ class EngineConnection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        """The connection is open, idle and may carry another request (keep-alive)."""
+        """The connection is open, idle and may carry another request (keep-alive); nothing
+        arrived on it since its last answer (bytes that answer no request would be taken for
+        the next request's answer)."""
         transport = self.transport
         return (
             not self._in_use
             and not self._eof
+            and not self._raw
             and transport is not None
             and not transport.is_closing()
         )
@@ -143,7 +146,8 @@ class EngineConnection(asyncio.Protocol):
     async def _wait(self, timeout: float | None) -> None:
         """Wait for more bytes (or the connection's end); fail when none has arrived for
         ``timeout`` seconds (aiohttp's ``sock_read``). One timer watches the connection, moved
-        on only when it fires (`_check`), not re-armed on every read.
+        on only when it fires (`_check`) or a read asks for another timeout, not re-armed on
+        every read.
 
         Raises:
             asyncio.TimeoutError: nothing arrived in time.
@@ -153,10 +157,13 @@ class EngineConnection(asyncio.Protocol):
             self.transport.resume_reading()
         loop = self._loop
         waiter = self._waiter = loop.create_future()
-        if timeout:
-            self._timeout = timeout
-            if self._timer is None:
-                self._timer = loop.call_at(self._last + timeout, self._check)
+        if (timeout or 0.0) != self._timeout:  # another timeout than the timer's: this one counts
+            self._timeout = timeout or 0.0
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        if timeout and self._timer is None:
+            self._timer = loop.call_at(self._last + timeout, self._check)
         try:
             await waiter
         finally:
@@ -225,8 +232,9 @@ class EngineConnection(asyncio.Protocol):
                 raise EngineHttpError("the answer has a malformed header")
             name = name.lower()
             if name == b"transfer-encoding":
-                codings = [c.strip() for c in value.lower().split(b",")]
-                if codings[-1] != b"chunked" or codings.count(b"chunked") != 1:
+                # Chunked alone: another coding (gzip, chunked) would reach the relay undecoded.
+                codings = [c for c in (c.strip() for c in value.lower().split(b",")) if c]
+                if chunked or codings != [b"chunked"]:
                     raise EngineHttpError("the answer's transfer coding is not supported")
                 chunked = True
             elif name == b"content-length":
@@ -258,7 +266,8 @@ class EngineConnection(asyncio.Protocol):
         between two reads); ``b""`` at the body's end.
 
         Raises:
-            EngineHttpError: the connection closed before the body's end, or bad chunk framing.
+            EngineHttpError: the connection closed (or was aborted) before the body's end, or
+                bad chunk framing.
             asyncio.TimeoutError: nothing arrived for ``timeout`` seconds.
         """
         while True:
@@ -278,7 +287,7 @@ class EngineConnection(asyncio.Protocol):
                 if data or self._mode == _DONE:
                     return data
             if self._eof:
-                if mode == _CLOSE and not self._raw:
+                if mode == _CLOSE and not self._raw and not self._aborted:
                     self._mode = _DONE
                     return b""
                 raise EngineHttpError("the engine closed the connection before the answer's end")
@@ -394,9 +403,10 @@ class EngineConnection(asyncio.Protocol):
 
     def abort(self) -> None:
         """Close the connection at once (unsent bytes dropped): the engine sees its client gone
-        and aborts the generation (vLLM's behaviour on a client disconnect)."""
+        and aborts the generation (vLLM's behaviour on a client disconnect). A read waiting on
+        it, or any later one, raises `EngineHttpError`, also for a body ended by the close."""
         self.finished()
-        self._eof = True
+        self._eof = self._aborted = True
         if self.transport is not None:
             self.transport.abort()
         self._wake()
