@@ -155,6 +155,7 @@ class EngineConnection(asyncio.Protocol):
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
+            self._last = self._loop_time()  # the engine's silence counts from here
         loop = self._loop
         waiter = self._waiter = loop.create_future()
         if (timeout or 0.0) != self._timeout:  # another timeout than the timer's: this one counts
@@ -304,6 +305,7 @@ class EngineConnection(asyncio.Protocol):
         if self._paused and len(raw) <= READ_HIGH_WATER and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
+            self._last = self._loop_time()  # the engine's silence counts from here
         return data
 
     def _dechunk(self) -> bytes:
@@ -378,6 +380,7 @@ class EngineConnection(asyncio.Protocol):
         if self._paused and len(raw) <= READ_HIGH_WATER and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
+            self._last = self._loop_time()  # the engine's silence counts from here
         return b"".join(out) if len(out) != 1 else out[0]
 
     @property
