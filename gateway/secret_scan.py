@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ MIN_SECRET_CHARS = 16
 
 
 _PLAIN_SECRET_RE = re.compile(r"[A-Za-z0-9_\-.]+")
+_UTF8 = ("utf-8", "utf-8-sig")  # the `json.detect_encoding` names of a UTF-8 body
 
 
 @functools.lru_cache(maxsize=64)
@@ -121,13 +123,19 @@ class OwnCredential:
 
         A secret of base64url characters and dots (keys and JWTs) can only be hidden from a
         search of ``raw`` by a ``\\u`` escape (JSON escapes nothing else of those characters;
-        ``\\/`` can hide the ``/`` of a standard base64 form) or by percent-encoding: without
-        either escape in ``raw`` the search is over ``raw`` and its percent-decoding, and the
+        ``\\/`` can hide the ``/`` of a standard base64 form), by percent-encoding, or by a
+        body in UTF-16 or UTF-32 (read as `json.detect_encoding` finds it): without any of
+        these in a UTF-8 ``raw`` the search is over ``raw`` and its percent-decoding, and the
         strings are not walked.
         """
         if self.raw in raw or any(core in raw for core in self.cores):
             return True
-        if self.plain and b"\\u" not in raw and b"\\/" not in raw:
+        if (
+            self.plain
+            and b"\\u" not in raw
+            and b"\\/" not in raw
+            and json.detect_encoding(raw) in _UTF8
+        ):
             return b"%" in raw and self.raw in unquote_to_bytes(raw)
         stack: list[Any] = [body]
         while stack:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.body import _suspect, parse_body
+from gateway.body import _suspect, client_body, parse_body
 from gateway.errors import BadRequest
 from tests.conftest import ALIAS, KEY_A, Gateway
 
@@ -57,6 +57,16 @@ def test_valid_json_round_trips_in_every_encoding(value: Any, encoding: str) -> 
     """Valid JSON in UTF-8/16/32 parses to the same value."""
     raw = json.dumps(value, ensure_ascii=False).encode(encoding)
     assert parse_body(raw) == value
+
+
+@FAST
+@given(value=_json, encoding=st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-32"]))
+def test_the_own_key_is_refused_in_every_encoding(value: Any, encoding: str) -> None:
+    """The request's own key in a string of a body in UTF-8, UTF-16 or UTF-32 is a 400."""
+    body = {"value": value, "content": "my key: " + KEY_A}
+    raw = json.dumps(body, ensure_ascii=False).encode(encoding)
+    with pytest.raises(BadRequest, match="own API key"):
+        client_body(raw, f"Bearer {KEY_A}")
 
 
 @FAST

@@ -307,6 +307,21 @@ def test_c29_own_credential_in_any_encoding_is_refused(
     assert engine_calls(gw) == before
 
 
+@pytest.mark.parametrize("dialect", ["chat", "messages"])
+@pytest.mark.parametrize("charset", ["utf-16", "utf-16-be", "utf-32-le"])
+def test_c29_own_credential_in_a_utf16_or_utf32_body_is_refused(
+    gw: Gateway, dialect: str, charset: str
+) -> None:
+    """A body in UTF-16 or UTF-32 (read as JSON detects it, RFC 8259 section 8.1) with the request's own key in a message is a 400 too, and never reaches the engine."""
+    base = MESSAGES if dialect == "messages" else CHAT
+    body = {**base, "messages": [{"role": "user", "content": "my key: " + KEY_A}]}
+    before = engine_calls(gw)
+    r = send(gw, dialect, json.dumps(body).encode(charset))
+    assert r.status_code == 400, (charset, r.text[:300])
+    assert "own API key" in error_message(dialect, r) and KEY_A not in r.text
+    assert engine_calls(gw) == before
+
+
 @pytest.mark.parametrize(
     "supplied",
     [
