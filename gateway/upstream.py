@@ -359,12 +359,8 @@ class UpstreamAnswer:
             return pending
         try:
             data = await self._connection.read(self._timeout)
-        except asyncio.TimeoutError as exc:
-            self.broken = True
-            raise self._upstream.failed(GatewayTimeout(), exc) from exc
-        except EngineHttpError as exc:
-            self.broken = True
-            raise self._upstream.failed(EngineDisconnected(), exc) from exc
+        except (asyncio.TimeoutError, EngineHttpError) as exc:
+            raise self._read_failed(exc) from exc
         if not data:
             raise StopAsyncIteration
         self._upstream.progress_at = time.monotonic()
@@ -377,14 +373,17 @@ class UpstreamAnswer:
     async def _read(self) -> bytes:
         try:
             data = await self._connection.read(self._timeout)
-        except asyncio.TimeoutError as exc:
-            self.broken = True
-            raise self._upstream.failed(GatewayTimeout(), exc) from exc
-        except EngineHttpError as exc:
-            self.broken = True
-            raise self._upstream.failed(EngineDisconnected(), exc) from exc
+        except (asyncio.TimeoutError, EngineHttpError) as exc:
+            raise self._read_failed(exc) from exc
         self._upstream.progress_at = time.monotonic()
         return data
+
+    def _read_failed(self, exc: Exception) -> UpstreamError:
+        """A read that failed, as the error raised (counted): silence past the read timeout
+        is `GatewayTimeout`, a dropped connection or a malformed body `EngineDisconnected`."""
+        self.broken = True
+        error = GatewayTimeout() if isinstance(exc, asyncio.TimeoutError) else EngineDisconnected()
+        return self._upstream.failed(error, exc)
 
     def chunks(self) -> UpstreamAnswer:
         """The body as an async iterator of reads (``async for data in answer.chunks()``)."""

@@ -115,6 +115,21 @@ def one_charge(
     return usage.prompt_tokens, usage.completion_tokens, usage.source
 
 
+async def cut_charge(
+    stack: Stack, seen: list[RequestContext], logs: list[MutableMapping[str, Any]]
+) -> tuple[int, int, tuple[float, float]]:
+    """A client leaves a lagging stream after 3 events: its charge (prompt, completion), which
+    came from the engine's counters, and the engine's own counter delta (prompt, generation)."""
+    assert stack.sim is not None
+    before = engine_counters(stack.sim)
+    await leave_after_events(stack, chat_body(stream=True, max_tokens=4000, sim=LAGGING), 3)
+    assert await until(lambda: bool(seen))
+    after = engine_counters(stack.sim)
+    prompt, completion, source = one_charge(seen, logs)
+    assert source == "counters"
+    return prompt, completion, (after[0] - before[0], after[1] - before[1])
+
+
 _VOLATILE = re.compile(rb'"id":"[^"]*"|"created":\d+')
 
 
@@ -180,14 +195,8 @@ async def test_cut_stream_is_charged_the_engine_counter_delta(
     engine's counter delta, more than was streamed, once, everywhere (access line, metric)."""
     assert stack.sim is not None
     seen = finished(stack)
-    before = engine_counters(stack.sim)
-    await leave_after_events(stack, chat_body(stream=True, max_tokens=4000, sim=LAGGING), 3)
-    assert await until(lambda: bool(seen))
-    after = engine_counters(stack.sim)
-    prompt, completion, source = one_charge(seen, logs)
-    assert source == "counters"
-    assert completion == after[1] - before[1]
-    assert prompt == after[0] - before[0] > 0
+    prompt, completion, delta = await cut_charge(stack, seen, logs)
+    assert (prompt, completion) == delta and prompt > 0
     call = seen[0].call
     assert call is not None and call.usage.streamed is not None
     assert completion > call.usage.streamed.completion_tokens  # generated, never streamed
@@ -262,14 +271,8 @@ async def test_complete_requests_sum_the_counters_instead_of_reading_them(
         assert await until(lambda: idle._reading is None or idle._reading.done())
     assert idle._summable is True
     assert 2 <= reads[0] <= 2 + 40 // SUM_CHECK_EVERY + 1
-    seen = finished(stack)
-    before = engine_counters(stack.sim)
-    await leave_after_events(stack, chat_body(stream=True, max_tokens=4000, sim=LAGGING), 3)
-    assert await until(lambda: bool(seen))
-    after = engine_counters(stack.sim)
-    prompt, completion, source = one_charge(seen, logs)
-    assert source == "counters"
-    assert (prompt, completion) == (after[0] - before[0], after[1] - before[1])
+    prompt, completion, delta = await cut_charge(stack, finished(stack), logs)
+    assert (prompt, completion) == delta
 
 
 async def test_counters_moved_by_another_client_stop_the_sums(
