@@ -29,7 +29,7 @@ CHUNK_LINE_MAX_BYTES = 1024
 """Longest chunk-size line (hex size and extensions) accepted."""
 SMALL_BODY_BYTES = 64 * 1024
 """Request bodies up to this size are joined to their head and written in one piece."""
-READ_HIGH_WATER = 256 * 1024
+READ_HIGH_WATER = 64 * 1024
 """Bytes received and not yet read by the relay above which the socket is no longer read:
 a client that reads slowly holds the engine's answer back in the kernel, not in the gateway."""
 
