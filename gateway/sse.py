@@ -231,8 +231,6 @@ class SseRelay:
         events = lines >> 1
         if lines & 1 or (events > 1 and chunk.count(_EVENT_BOUNDARY) != events - 1):
             return None
-        if events == 1 and lines != 2:
-            return None
         reasoning = b'"reasoning":' in chunk
         if (
             (reasoning and b'"reasoning_content":' in chunk)
