@@ -33,7 +33,11 @@ AUTH = {"Authorization": f"Bearer {KEY_A}"}
 LONG_TOKENS = 6000
 # The engine stops generating this soon after the client leaves (vLLM aborts the request when
 # the HTTP connection closes; the gateway closes its engine connection when the client goes).
-ABORT_WITHIN_S = 1.0
+# The simulator's gauge drops the moment its connection closes, so its bound is the gateway's
+# own reaction. Real vLLM's ``vllm:num_requests_running`` drops only once its engine loop has
+# taken the abort and published its next stats; with both CPUs busy (the suite runs two
+# workers beside the CPU engine) that took 1.16 s once in CI, so it is allowed one second more.
+ABORT_WITHIN_S = {"sim": 1.0, "real": 2.0}
 
 
 def long_stream_body(engine: LaunchedEngine, **extra: Any) -> dict[str, Any]:
@@ -120,8 +124,8 @@ def chat_ok(gw: Gateway) -> bool:
 def test_client_leaving_mid_stream_stops_the_engine(
     engine: LaunchedEngine, engine_gateway: Gateway
 ) -> None:
-    """A client that leaves mid-stream: the engine stops generating within 1 s, well before the
-    answer's end."""
+    """A client that leaves mid-stream: the engine stops generating within `ABORT_WITHIN_S`,
+    well before the answer's end."""
     assert wait_until(lambda: engine_idle(engine), 10)
     before = engine_metric(engine, "vllm:generation_tokens_total")
     with sse(engine_gateway, long_stream_body(engine)) as events:
@@ -132,7 +136,8 @@ def test_client_leaving_mid_stream_stops_the_engine(
             break
     left = time.monotonic()
     idle_at = None
-    while time.monotonic() - left < ABORT_WITHIN_S + 5:
+    within = ABORT_WITHIN_S[engine.kind]
+    while time.monotonic() - left < within + 5:
         # The probe's start is when the engine was seen idle: a scrape of vLLM's 74 metric
         # families takes a while on a loaded machine and is not the engine's stopping time.
         probe = time.monotonic()
@@ -141,7 +146,7 @@ def test_client_leaving_mid_stream_stops_the_engine(
             break
         time.sleep(0.02)
     assert idle_at is not None, "engine still running"
-    assert idle_at - left <= ABORT_WITHIN_S, f"engine stopped {idle_at - left:.2f} s after"
+    assert idle_at - left <= within, f"engine stopped {idle_at - left:.2f} s after"
     generated = engine_metric(engine, "vllm:generation_tokens_total")
     time.sleep(0.5)
     assert engine_metric(engine, "vllm:generation_tokens_total") == generated
