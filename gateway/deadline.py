@@ -385,7 +385,7 @@ def door_check(
     queued_after = settings.engine.queued_comment_after_s
     if plan.stream and keepalive_in_time(deadline_s, queued_after, settings.server):
         return
-    forecast = predict(call, queue, forecaster)
+    _, forecast = predict(call, queue, forecaster)
     if forecast.start_s <= deadline_s:
         return
     own = forecast.prefill_s if plan.stream else forecast.prefill_s + forecast.output_s
@@ -424,22 +424,23 @@ def plan_work(call: ModelCall, forecaster: Forecaster) -> Work:
     )
 
 
-def predict(call: ModelCall, queue: AdmissionQueue, forecaster: Forecaster) -> Forecast:
-    """`Forecaster.forecast` for ``call`` as `gateway.proxy` would enqueue it."""
+def predict(
+    call: ModelCall, queue: AdmissionQueue, forecaster: Forecaster
+) -> tuple[Work, Forecast]:
+    """``call``'s expected work (`plan_work`) and `Forecaster.forecast` for it as
+    `gateway.proxy` would enqueue it."""
     tenant = call.caller.tenant
-    return forecaster.forecast(
-        queue,
-        call.settings.deadline,
-        tenant.name,
-        plan_work(call, forecaster),
-        background=call.background,
+    work = plan_work(call, forecaster)
+    forecast = forecaster.forecast(
+        queue, call.settings.deadline, tenant.name, work, background=call.background
     )
+    return work, forecast
 
 
-def enqueued(call: ModelCall, forecaster: Forecaster, forecast: Forecast) -> None:
-    """Track ``call``'s ticket (just enqueued, predicted as ``forecast``)."""
+def enqueued(call: ModelCall, forecaster: Forecaster, work: Work, forecast: Forecast) -> None:
+    """Track ``call``'s ticket (just enqueued, its work and prediction from `predict`)."""
     assert call.ticket is not None
-    forecaster.track(call.ticket, plan_work(call, forecaster), forecast)
+    forecaster.track(call.ticket, work, forecast)
 
 
 def finished(call: ModelCall, forecaster: Forecaster) -> None:

@@ -202,7 +202,7 @@ async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
     try:
         tenant = call.caller.tenant
         home = app[ENGINES].affinity.home(call.session)
-        forecast = predict(call, app[ADMISSION], forecaster)
+        work, forecast = predict(call, app[ADMISSION], forecaster)
         ticket = app[ADMISSION].enqueue(
             tenant.name,
             tenant.weight,
@@ -212,7 +212,7 @@ async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
             background=call.background,
         )
         call.ticket = ticket
-        enqueued(call, forecaster, forecast)
+        enqueued(call, forecaster, work, forecast)
         try:
             with app[DRAIN].track():
                 return await admit_and_call(request, call)
@@ -476,13 +476,13 @@ async def _call_engine(
                         try:
                             if await _move(app, call, name):
                                 app[METRICS].engine_retries.inc()
-                                log.warning("engine_retry", fingerprint=fingerprint)
+                                log.warning("engine_retry", fingerprint=str(fingerprint))
                                 continue
                         except GatewayError as refused:
                             error = refused
                     elif await state.wait_ready(wait):
                         app[METRICS].engine_retries.inc()
-                        log.warning("engine_retry", fingerprint=fingerprint)
+                        log.warning("engine_retry", fingerprint=str(fingerprint))
                         continue
                 elif fingerprint is not None:
                     try:

@@ -87,6 +87,30 @@ def fingerprint(key: bytes, body: bytes) -> str:
     return hmac.new(key, body, hashlib.sha256).hexdigest()[:32]
 
 
+class RequestPrint:
+    """A request's fingerprint (`fingerprint` of its engine body), computed when first read
+    (``str``): most requests never need it, since nothing is quarantined and no engine dies
+    under them, and canonicalising a body costs a JSON decode and encode.
+
+    Args:
+        key: `fingerprint_key` of the server secret.
+        body: the engine body (held until the fingerprint is computed).
+    """
+
+    __slots__ = ("_body", "_key", "_value")
+
+    def __init__(self, key: bytes, body: bytes) -> None:
+        self._key = key
+        self._body = body
+        self._value: str | None = None
+
+    def __str__(self) -> str:
+        if self._value is None:
+            self._value = fingerprint(self._key, self._body)
+            self._body = b""
+        return self._value
+
+
 @dataclass
 class Record:
     """One fingerprint's history: its deaths (Unix seconds) and quarantine end (0: none)."""
@@ -228,7 +252,7 @@ class Quarantine:
         self._file = StateFile(settings.state_file) if settings.state_file else None
         self._records: dict[str, Record] = {}
         self._mtime = -1.0
-        self._running: dict[int, tuple[str, str, str]] = {}
+        self._running: dict[int, tuple[str | RequestPrint, str, str]] = {}
         self._tokens = iter(range(1 << 62))
         # Set by `gateway.fleet_sync` when the fleet shares the quarantine in Redis: deaths go
         # there (this view is updated at once and replaced by the shared one on each sync).
@@ -246,21 +270,24 @@ class Quarantine:
         """False when ``quarantine.enabled`` is off: nothing is fingerprinted or refused."""
         return self.settings.enabled
 
-    def fingerprint(self, body: bytes) -> str:
-        """The fingerprint of an engine body (`fingerprint`)."""
-        return fingerprint(self.key, body)
+    def fingerprint(self, body: bytes) -> RequestPrint:
+        """The fingerprint of an engine body (`fingerprint`), computed when first read."""
+        return RequestPrint(self.key, body)
 
     def entries(self) -> dict[str, Record]:
         """Quarantined fingerprints now (a copy)."""
         now = self._clock()
         return {fp: r for fp, r in self._records.items() if r.until > now}
 
-    def check(self, fp: str, tenant_label: str) -> None:
-        """Refuse a quarantined fingerprint.
+    def check(self, fp: str | RequestPrint, tenant_label: str) -> None:
+        """Refuse a quarantined fingerprint (computed only when something is quarantined).
 
         Raises:
             RequestQuarantined: 422; counted and logged once.
         """
+        if not self._records:
+            return
+        fp = str(fp)
         record = self._records.get(fp)
         now = self._clock()
         if record is None or record.until <= now:
@@ -269,7 +296,7 @@ class Quarantine:
         log.warning("request_quarantined", fingerprint=fp, until=round(record.until))
         raise RequestQuarantined(fp, record.until - now, self.settings.deaths)
 
-    def started(self, fp: str, request_id: str, engine: str = "default") -> int:
+    def started(self, fp: str | RequestPrint, request_id: str, engine: str = "default") -> int:
         """The request ``request_id`` with ``fp`` is being sent to ``engine``; returns its token.
 
         Deaths are per engine (each engine's outage counts once per request), and fleet-wide in
@@ -286,7 +313,8 @@ class Quarantine:
         entry = self._running.pop(token, None)
         if entry is None or not dropped:
             return
-        fp, request_id, engine = entry
+        fp = str(entry[0])
+        request_id, engine = entry[1], entry[2]
         outage = self._outage(engine)
         if fp in outage.counted:
             return

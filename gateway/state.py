@@ -32,7 +32,7 @@ from gateway.drain import Drain
 from gateway.engines import Engines
 from gateway.meter import Meter
 from gateway.metrics import Metrics
-from gateway.quarantine import Quarantine
+from gateway.quarantine import Quarantine, RequestPrint
 from gateway.ratelimit import RateLimiter, Reservation
 from gateway.reload import Reloader
 from gateway.rewrite import RequestPlan
@@ -167,8 +167,8 @@ class ModelCall:
             ``X-Request-Id`` followed by ``-`` and 12 random hex digits (so it still shows in
             the engine's logs and the completion ``id``). Set by `gateway.proxy.open_call`.
         ttft_s: seconds from arrival to the first event relayed, for streams.
-        fingerprint: the engine body's quarantine fingerprint (`gateway.quarantine`), or None
-            while the quarantine is off.
+        fingerprint: the engine body's quarantine fingerprint (`gateway.quarantine`, computed
+            when first read), or None while the quarantine is off.
         baseline: the engine's counters read just before the request was sent, taken only
             while it holds the engine's only slot (`gateway.counters`), or a reading of them
             under way since before it was sent (a future of the same); None otherwise.
@@ -188,7 +188,7 @@ class ModelCall:
     usage: Meter = field(default_factory=Meter)
     queued_s: float | None = None
     ttft_s: float | None = None
-    fingerprint: str | None = None
+    fingerprint: RequestPrint | None = None
     engine_request_id: str = ""
     baseline: Baseline | asyncio.Future[Baseline | None] | None = None
     session: bytes | None = None

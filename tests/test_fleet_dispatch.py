@@ -310,7 +310,7 @@ async def test_deaths_count_per_engine_so_a_poison_request_is_caught_fleet_wide(
     quarantine.finished(token, dropped=True)
     token = quarantine.started(fp, "r1", "b")
     quarantine.finished(token, dropped=True)
-    assert quarantine.engine_died("b") == [fp]
+    assert quarantine.engine_died("b") == [str(fp)]
 
 
 def test_the_ledger_records_the_engine_and_migrates_an_old_file(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.config import QuarantineSettings
+from gateway.errors import RequestQuarantined
 from gateway.metrics import Metrics
 from gateway.quarantine import Quarantine, fingerprint, fingerprint_key
 from tests.conftest import ALIAS, KEY_A, KEY_B, REPO, Gateway, Sim, wait_until
@@ -231,6 +232,27 @@ def test_only_requests_at_the_engine_are_suspects(tmp_path: Path) -> None:
     assert q.engine_died() == ["aa" * 16]
     assert list(q.entries()) == ["aa" * 16]
     assert list(make_quarantine(tmp_path).entries()) == ["aa" * 16]
+
+
+def test_a_request_print_is_the_body_fingerprint_and_is_quarantined(tmp_path: Path) -> None:
+    """The print the gateway makes per request (computed when first needed) is the body's
+    fingerprint: a body that killed the engine twice is refused by it, another body is not."""
+    q = make_quarantine(tmp_path)
+    body = b'{"messages":[{"role":"user","content":"boom"}],"request_id":"r1"}'
+    same_request_again = b'{"request_id":"r2","messages":[{"role":"user","content":"boom"}]}'
+    other = b'{"messages":[{"role":"user","content":"fine"}]}'
+    assert str(q.fingerprint(body)) == fingerprint(q.key, body)
+    assert str(q.fingerprint(body)) == str(q.fingerprint(same_request_again))
+    q.check(q.fingerprint(body), "acme")  # nothing quarantined: passes
+    for rid in ("r1", "r2"):
+        token = q.started(q.fingerprint(body), rid)
+        q.finished(token, dropped=True)
+        q.engine_died()
+        q.engine_ready()
+    assert list(q.entries()) == [fingerprint(q.key, body)]
+    with pytest.raises(RequestQuarantined):
+        q.check(q.fingerprint(same_request_again), "acme")
+    q.check(q.fingerprint(other), "acme")
 
 
 def test_deaths_outside_the_window_do_not_add_up(tmp_path: Path) -> None:
