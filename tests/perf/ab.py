@@ -34,26 +34,36 @@ from tests.perf.loadgen import LoadSpec
 from tests.perf.stacks import request_body
 
 _SERVE = r"""
-import json, signal, sys, tempfile
+import json, shutil, signal, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, ".")
 from tests.conftest import start_gateway, start_sim
 from tests.perf.stacks import BENCH_CONFIG
-work = Path(tempfile.mkdtemp(prefix="q38ab-"))
-sim = start_sim(work, "--tokens-per-second", "0", "--completion-tokens", sys.argv[1],
-                "--max-num-seqs", "4096", name="fast")
-gw = start_gateway(work, sim, BENCH_CONFIG, name="gw")
-print(json.dumps({"url": gw.base_url, "pid": gw.proc.pid}), flush=True)
-sys.stdin.read()
-gw.proc.send_signal(signal.SIGTERM)
-gw.proc.wait(30)
-sim.stop()
+work = Path(tempfile.mkdtemp(prefix="q38ab-", dir="/tmp"))
+sim = gw = None
+try:
+    sim = start_sim(work, "--tokens-per-second", "0", "--completion-tokens", sys.argv[1],
+                    "--max-num-seqs", "4096", name="fast")
+    gw = start_gateway(work, sim, BENCH_CONFIG, name="gw")
+    info = {"url": gw.base_url, "pid": gw.proc.pid, "sim_pid": sim.proc.pid, "work": str(work)}
+    print(json.dumps(info), flush=True)
+    sys.stdin.read()
+finally:
+    if gw is not None:
+        gw.proc.send_signal(signal.SIGTERM)
+        gw.proc.wait(30)
+    if sim is not None:
+        sim.stop()
+    shutil.rmtree(work, ignore_errors=True)
 """
-"""Run in a tree's root: one simulator and one gateway of that tree, until stdin closes."""
+"""Run in a tree's root: one simulator and one gateway of that tree, until stdin closes; then
+both are stopped and their directory (``/tmp/q38ab-*``: logs, the simulator's record, the
+ledger) removed, also when either failed to start."""
 
 
 class Side:
-    """One version's simulator and gateway, started from the tree at ``root``.
+    """One version's simulator and gateway, started from the tree at ``root``; `stop` ends
+    both and removes their directory ``work``.
 
     Raises:
         RuntimeError: the gateway did not start.
@@ -74,6 +84,8 @@ class Side:
         info = json.loads(line)
         self.url: str = info["url"]
         self.pid: int = info["pid"]
+        self.sim_pid: int = info["sim_pid"]
+        self.work = Path(info["work"])
         self.cpu_per_1k: list[float] = []
         self.ttft_ms: list[float] = []
 
@@ -103,9 +115,11 @@ class Side:
         )
 
     def stop(self) -> None:
-        assert self.proc.stdin is not None
+        """Close the side's stdin (it stops its gateway and simulator, removes ``work``)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()
         self.proc.wait(60)
+        self.proc.stdout.close()
 
 
 def main() -> int:
