@@ -458,6 +458,10 @@ async def _call_engine(
             # request (a non-streamed answer sends its headers last): the engine has read the
             # prompt and may have generated, so the request is charged (`call_engine`).
             call.usage.reached_engine = posting
+            if token is not None:
+                # Not a suspect (its connection did not fail), and no longer at the engine:
+                # kept, the entry would hold the request's engine body for good.
+                quarantine.finished(token, dropped=False)
             raise
         except EngineUnavailable as exc:
             sent = isinstance(exc, EngineUnreachable) and exc.sent

@@ -144,9 +144,12 @@ async def open_stack(
     *,
     sim: bool = True,
     clock: FakeClock | None = None,
+    handler_cancellation: bool = False,
     **behaviour: Any,
 ) -> AsyncIterator[Stack]:
-    """The simulator (unless ``sim`` is False) and a gateway client, the engine ready."""
+    """The simulator (unless ``sim`` is False) and a gateway client, the engine ready;
+    ``handler_cancellation``: a client closing its connection cancels the gateway's handler, as
+    under `gateway.server` (pytest-aiohttp's server does not by default)."""
     with short_tempdir() as directory:
         write_keys(directory / "keys.env", DEFAULT_KEYS)
         config_path = write_config(directory, config)
@@ -160,7 +163,8 @@ async def open_stack(
                 config_path=str(config_path),
                 **extra,
             )
-            client = await aiohttp_client(app)
+            server_kwargs = {"handler_cancellation": True} if handler_cancellation else {}
+            client = await aiohttp_client(app, server_kwargs=server_kwargs)
             if server is not None:
                 await wait_ready(app)
             yield Stack(client, server, directory, config_path, clock)

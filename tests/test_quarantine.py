@@ -3,6 +3,8 @@ brings it back like the launcher, the gateway retries once, then refuses that re
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -21,7 +23,11 @@ from gateway.config import QuarantineSettings
 from gateway.errors import RequestQuarantined
 from gateway.metrics import Metrics
 from gateway.quarantine import Quarantine, fingerprint, fingerprint_key
+from gateway.state import ADMISSION, QUARANTINE
 from tests.conftest import ALIAS, KEY_A, KEY_B, REPO, Gateway, Sim, wait_until
+from tests.inprocess import AUTH_A, chat_body, open_stack, until
+
+CHAT = "/v1/chat/completions"
 
 # The simulator holds the request 1 s, then exits before any byte of an answer.
 POISON = {"headers_delay_s": 1.0, "exit_after": 0}
@@ -188,6 +194,36 @@ def test_request_that_streamed_a_byte_is_never_retried(
     time.sleep(1.0)
     assert restarter.crashes == 1 and gw.metric("gateway_engine_retries_total") == 0
     assert gw.metric("gateway_quarantine_entries") == 0, "one death is not enough"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("cut", ["time limit", "client gone"])
+async def test_a_request_cut_at_the_engine_is_no_longer_tracked_there(
+    aiohttp_client: Any, cut: str
+) -> None:
+    """A non-streamed request cut while the engine generates its answer (its time limit, or its
+    client leaving) is forgotten by the quarantine like a finished one: not kept as at the
+    engine, nor its engine body with it."""
+    limit = {"engine": {"request_timeout_s": 0.5 if cut == "time limit" else 0}}
+    async with open_stack(aiohttp_client, limit, handler_cancellation=True) as stack:
+        quarantine = stack.app[QUARANTINE]
+        answer = await stack.client.post(CHAT, json=chat_body(max_tokens=4), headers=AUTH_A)
+        assert answer.status == 200 and not quarantine._running
+        slow = chat_body(max_tokens=40, sim={"tokens_per_second": 20})
+        if cut == "time limit":
+            answer = await stack.client.post(CHAT, json=slow, headers=AUTH_A)
+            assert answer.status == 504
+        else:
+            sending = asyncio.ensure_future(stack.client.post(CHAT, json=slow, headers=AUTH_A))
+            assert await until(lambda: bool(quarantine._running))
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sending
+        sim = stack.sim
+        assert sim is not None
+        assert await until(lambda: [r["outcome"] for r in sim.model_records()][1:] == ["aborted"])
+        assert await until(lambda: stack.app[ADMISSION].in_flight == 0)
+        assert quarantine._running == {}
 
 
 def make_quarantine(tmp_path: Path, **settings: Any) -> Quarantine:
