@@ -50,9 +50,9 @@ async def read_body(
     try:
         while True:
             try:
-                # What has arrived is taken as it is: a wait (and its timer) only for more.
-                chunk = content.read_nowait()
-                if not chunk and not content.is_eof():
+                if content.is_eof():  # the rest is buffered already: no wait, no timer task
+                    chunk = await content.readany()
+                else:
                     chunk = await asyncio.wait_for(content.readany(), idle_timeout)
             except asyncio.TimeoutError:
                 raise RequestTimeout(

@@ -209,8 +209,10 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
     if call is not None:
         # The call and its context refer to each other: without this their request and engine
         # bodies would wait for the next full garbage collection, which the gateway's gc
-        # thresholds make rare (gateway.server), and hold many requests' bodies at once.
+        # thresholds make rare (gateway.server), and hold many requests' bodies at once. The
+        # quarantine print holds the engine body until it is computed, so it goes too.
         call.plan = None
+        call.fingerprint = None
         if call.body_hold is not None:
             app[BODY_MEMORY].release(call.body_hold)
 
