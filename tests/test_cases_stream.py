@@ -165,27 +165,21 @@ def test_stream_headers_are_not_held_for_a_first_event_arriving_in_pieces(
     assert gw.metric("gateway_requests_in_flight") == 0
 
 
-def first_reads(gw: Gateway, path: str, body: dict[str, Any], count: int) -> list[bytes]:
-    """POST ``body`` to ``path`` ``count`` times over raw sockets; the first ``recv`` of each."""
-    raw = json.dumps(body).encode()
-    port = int(gw.base_url.rsplit(":", 1)[1])
-    firsts = []
-    for _ in range(count):
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(
-                b"POST %b HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer %b\r\n"
-                b"Content-Type: application/json\r\nConnection: close\r\n"
-                b"Content-Length: %d\r\n\r\n%b" % (path.encode(), KEY_A.encode(), len(raw), raw)
-            )
-            firsts.append(sock.recv(65536))
-    return firsts
-
-
 def test_a_quick_first_event_arrives_with_the_headers(stack: Gateway) -> None:
     """An engine whose first event follows its headers at once: the client's first read holds
     the headers and that event together (one write of the gateway), request after request."""
-    body = {**chat({"completion_tokens": 3}), "stream": True}
-    firsts = first_reads(stack, "/v1/chat/completions", body, 20)
+    body = json.dumps({**chat({"completion_tokens": 3}), "stream": True}).encode()
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    firsts = []
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                b"Authorization: Bearer " + KEY_A.encode() + b"\r\n"
+                b"Content-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+            )
+            firsts.append(sock.recv(65536))
     # Written alone, the headers reached a client blocked in recv by themselves in 8-13 of 20
     # requests; written with the event, in none (a loaded machine may keep an engine's first
     # event past the hold now and then).
@@ -207,7 +201,20 @@ def test_a_translated_first_event_arrives_with_the_headers(
     """The translated dialects too (keep-alives off, so no opening event goes out early): their
     first event, made from the engine's first events, reaches the client with the headers."""
     gw = gateway_factory(sim_factory(), {"server": {"sse_keepalive_s": 0}})
-    firsts = first_reads(gw, path, {"model": ALIAS, **body, "stream": True}, 10)
+    raw = json.dumps({"model": ALIAS, **body, "stream": True}).encode()
+    port = int(gw.base_url.rsplit(":", 1)[1])
+    firsts = []
+    for _ in range(10):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST %b HTTP/1.1\r\nHost: gw\r\n" % path.encode()
+                + b"Authorization: Bearer "
+                + KEY_A.encode()
+                + b"\r\n"
+                b"Content-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%b" % (len(raw), raw)
+            )
+            firsts.append(sock.recv(65536))
     assert all(first.startswith(b"HTTP/1.1 200") for first in firsts)
     together = sum(b"data: {" in f.split(b"\r\n\r\n", 1)[-1] for f in firsts)
     assert together >= 8, f"{together} of {len(firsts)} first reads held an event"
