@@ -148,11 +148,6 @@ class ClientStream:
             self.response = response
         return self.response
 
-    @property
-    def headers_held(self) -> bool:
-        """The headers are made and not yet written (they go with the first write)."""
-        return self._headers_held
-
     async def flush_headers(self) -> None:
         """Send the headers now if they are still held (the engine is slow to its first event,
         or sent only part of it). A client gone meanwhile is handled as at `send`: with a tap,
@@ -344,10 +339,8 @@ async def relay_stream(
                 data = opening() if opening is not None else b""
                 if data:
                     await stream.send(data)
-            loop = asyncio.get_running_loop()
-            held_until = loop.time() + HEADERS_HOLD_S
             if not answer.buffered:
-                first = await _first_read(answer, stream, HEADERS_HOLD_S, heartbeat, keepalive)
+                first = await _first_read(answer, stream, heartbeat, keepalive)
                 if first is not None:
                     answer.unread(first)
             async for data in answer:
@@ -357,14 +350,9 @@ async def relay_stream(
                         call.ttft_s = clock() - context.started
                         metrics.ttft.labels(call.caller.label).observe(call.ttft_s)
                     await stream.send(out)
-                elif stream.headers_held and not answer.buffered:
-                    # Nothing to send yet (the first event comes in pieces, or the dialect
-                    # shows none for it): the headers wait for the next read only what is left
-                    # of their hold.
-                    more = await _first_read(answer, stream, held_until - loop.time())
-                    if more is None:
-                        break
-                    answer.unread(more)
+                else:
+                    # The engine's first event arrives in pieces: its rest may be a while.
+                    await stream.flush_headers()
         except UpstreamError as exc:
             failure = exc
         except EventTooLarge as exc:
@@ -389,17 +377,13 @@ async def relay_stream(
 
 
 async def _first_read(
-    answer: UpstreamAnswer,
-    stream: ClientStream,
-    hold: float,
-    heartbeat: Beat | None = None,
-    keepalive: bytes | None = None,
+    answer: UpstreamAnswer, stream: ClientStream, heartbeat: Beat | None, keepalive: bytes | None
 ) -> bytes | None:
     """The engine's first read, None at the end of the body. The stream's headers wait for it
-    ``hold`` seconds (`HEADERS_HOLD_S`, to go out with it), then go alone; after that
-    ``keepalive`` (or a progress event) is sent every ``heartbeat.every`` seconds
-    (``server.sse_keepalive_s``) while the engine is silent (prefill of a long prompt takes
-    minutes), so idle timeouts of clients and proxies do not fire.
+    `HEADERS_HOLD_S` (to go out with it), then go alone; after that ``keepalive`` (or a
+    progress event) is sent every ``heartbeat.every`` seconds (``server.sse_keepalive_s``)
+    while the engine is silent (prefill of a long prompt takes minutes), so idle timeouts of
+    clients and proxies do not fire.
 
     Raises:
         UpstreamError: the engine failed before its first byte.
@@ -407,7 +391,7 @@ async def _first_read(
     """
     pending = asyncio.ensure_future(answer.__anext__())
     try:
-        done, _ = await asyncio.wait({pending}, timeout=max(hold, 0.0))
+        done, _ = await asyncio.wait({pending}, timeout=HEADERS_HOLD_S)
         if not done:
             await stream.flush_headers()
             beats = heartbeat is not None and keepalive is not None
