@@ -149,24 +149,13 @@ class ClientStream:
         return self.response
 
     async def flush_headers(self) -> None:
-        """Send the headers now if they are still held (the engine is slow to its first event,
-        or sent only part of it). A client gone meanwhile is handled as at `send`: with a tap,
-        the stream may go on without it.
+        """Send the headers now if they are still held (the engine is slow to its first event).
 
         Raises:
-            ConnectionResetError: the client went away (and the stream does not go on).
+            ConnectionResetError: the client went away.
         """
-        if not self._headers_held or self.response is None:
-            return
-        tap = self.tap
-        if tap is not None and tap.detached:
-            self._headers_held = False  # its client is gone: the headers are only the tap's
-            return
-        try:
+        if self._headers_held and self.response is not None:
             await self._write(self.response, b"", flush=True)
-        except ConnectionResetError:
-            if tap is None or not tap.lost():
-                raise
 
     async def send(self, data: bytes) -> None:
         """Write to the stream; a client that stops reading counts as gone after the timeout.
@@ -350,9 +339,6 @@ async def relay_stream(
                         call.ttft_s = clock() - context.started
                         metrics.ttft.labels(call.caller.label).observe(call.ttft_s)
                     await stream.send(out)
-                else:
-                    # The engine's first event arrives in pieces: its rest may be a while.
-                    await stream.flush_headers()
         except UpstreamError as exc:
             failure = exc
         except EventTooLarge as exc:

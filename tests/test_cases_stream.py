@@ -141,30 +141,6 @@ def test_stream_headers_are_not_held_for_a_slow_first_event(
     assert payloads[-1] == b"[DONE]" and len(payloads) >= 5
 
 
-def test_stream_headers_are_not_held_for_a_first_event_arriving_in_pieces(
-    gateway_factory: Any, sim_factory: Any
-) -> None:
-    """An engine whose first event comes in pieces far apart (its first write cut in three, 0.6
-    s between them) still gets the client its 200 and headers at once; the events follow, whole."""
-    gw = gateway_factory(sim_factory())
-    sim = {"split_writes": 3, "write_gap_ms": 600, "completion_tokens": 2}
-    started = time.monotonic()
-    with httpx.stream(
-        "POST",
-        gw.url("/v1/chat/completions"),
-        json={**chat(sim), "stream": True},
-        headers=AUTH,
-        timeout=30,
-    ) as r:
-        headers_after = time.monotonic() - started
-        assert r.status_code == 200
-        raw = b"".join(r.iter_raw())
-    assert headers_after < 0.6, f"headers after {headers_after:.2f} s"
-    payloads = data_payloads(raw)
-    assert payloads[-1] == b"[DONE]" and len(payloads) >= 4
-    assert gw.metric("gateway_requests_in_flight") == 0
-
-
 def test_a_quick_first_event_arrives_with_the_headers(stack: Gateway) -> None:
     """An engine whose first event follows its headers at once: the client's first read holds
     the headers and that event together (one write of the gateway), request after request."""
