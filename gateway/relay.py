@@ -9,7 +9,7 @@ give up on a client that stopped reading, one final error event after the header
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
@@ -83,38 +83,15 @@ class ClientStalled(ConnectionResetError):
     """The client left a stream unread longer than ``server.client_write_timeout_s``."""
 
 
-HEADERS_HOLD_S = 0.02
-"""Seconds a stream's headers wait for its first event, to go out in one write with it (one
-packet, one wake-up of the client, instead of two): after that they go alone."""
-
-
-class _SseResponse(web.StreamResponse):
-    """aiohttp's stream response with the headers kept until the first write, as aiohttp's
-    own `web.Response` keeps them (an attribute of aiohttp's; where it is gone, the headers
-    simply go out at `prepare`)."""
-
-    _send_headers_immediately = False
-
-
 class ClientStream:
-    """The SSE response of one model call; the headers are made at `start` and go out with the
-    first write (`flush_headers` sends them alone).
+    """The SSE response of one model call; the headers go out at `start` (or the first write).
 
     Args:
         request: the client's request.
         call: the model call (its snapshot gives the write timeout, its dialect the error shape).
     """
 
-    __slots__ = (
-        "_call",
-        "_direct",
-        "_headers_held",
-        "_request",
-        "_timeout",
-        "relay",
-        "response",
-        "tap",
-    )
+    __slots__ = ("_call", "_direct", "_request", "_timeout", "relay", "response", "tap")
 
     def __init__(self, request: web.Request, call: ModelCall) -> None:
         self._request = request
@@ -124,16 +101,14 @@ class ClientStream:
         self.response: web.StreamResponse | None = None
         self.relay: StreamRelay | None = None  # made when the stream opens (queued or answered)
         self._direct: asyncio.Transport | None = None  # chunks framed here (see `_write`)
-        self._headers_held = False  # prepared, not yet written (they go with the first write)
 
     async def start(self) -> web.StreamResponse:
-        """Make the SSE headers once: no proxy buffering, no compression (case C01). They go
-        out with the first write, or alone at `flush_headers`."""
+        """Send the SSE headers once: no proxy buffering, no compression (case C01)."""
         if self.response is None:
             headers = dict(SSE_HEADERS)
             if self._call.reservation is not None:
                 headers.update(self._call.dialect.limit_headers(self._call.reservation.headers))
-            response = _SseResponse(status=200, headers=headers)
+            response = web.StreamResponse(status=200, headers=headers)
             response.headers["x-request-id"] = self._call.context.request_id
             tap = self.tap
             if tap is not None:
@@ -141,21 +116,13 @@ class ClientStream:
             if tap is None or not tap.detached:
                 try:
                     await response.prepare(self._request)
-                    self._headers_held = True
                 except ConnectionResetError:
                     if tap is None or not tap.lost():
                         raise
+                if response.headers.get("Transfer-Encoding") == "chunked":
+                    self._direct = self._request.transport
             self.response = response
         return self.response
-
-    async def flush_headers(self) -> None:
-        """Send the headers now if they are still held (the engine is slow to its first event).
-
-        Raises:
-            ConnectionResetError: the client went away.
-        """
-        if self._headers_held and self.response is not None:
-            await self._write(self.response, b"", flush=True)
 
     async def send(self, data: bytes) -> None:
         """Write to the stream; a client that stops reading counts as gone after the timeout.
@@ -181,50 +148,35 @@ class ClientStream:
             if not tap.lost():
                 raise
 
-    async def _write(self, response: web.StreamResponse, data: bytes, flush: bool = False) -> None:
+    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
         """Write ``data`` as one HTTP chunk; wait (at most ``client_write_timeout_s``) only when
         the client is behind.
 
-        The first write carries the held headers (aiohttp's writer joins them to the chunk in
-        one write); ``flush`` sends them even with no data. After them, a chunked response
-        (HTTP/1.1) is framed here and written to the transport (``size CRLF data CRLF``, RFC
-        9112 section 7.1: the bytes aiohttp's writer would send, without its per-write
-        bookkeeping, one event of a stream at a time); the end of the stream and anything else
-        go through aiohttp's writer.
+        A chunked response (HTTP/1.1, the headers sent) is framed here and written to the
+        transport (``size CRLF data CRLF``, RFC 9112 section 7.1: the bytes aiohttp's writer
+        would send, without its per-write bookkeeping, one event of a stream at a time); the
+        end of the stream and anything else go through aiohttp's writer.
         """
-        if self._headers_held:
-            self._headers_held = False
-            if response.headers.get("Transfer-Encoding") == "chunked":
-                self._direct = self._request.transport
-            transport = self._request.transport
-        elif not data:
+        if not data:
             return
-        else:
-            transport = self._direct
-            if transport is not None:
-                if transport.is_closing():
-                    raise ConnectionResetError("the client closed the connection")
-                behind = transport.get_write_buffer_size()
-                transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one copy, one syscall
-                if not behind and len(data) <= transport.get_write_buffer_limits()[1]:
-                    return
-                await self._drained(transport, self._request.writer.drain())
+        transport = self._direct
+        if transport is not None:
+            if transport.is_closing():
+                raise ConnectionResetError("the client closed the connection")
+            behind = transport.get_write_buffer_size()
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one copy, one syscall
+            if not behind and len(data) <= transport.get_write_buffer_limits()[1]:
                 return
+            writes = self._request.writer.drain()
+        else:
             transport = self._request.transport
-        if transport is None or (
-            not transport.get_write_buffer_size()
-            and len(data) <= transport.get_write_buffer_limits()[1]
-        ):
-            await response.write(data)
-            return
-        await self._drained(transport, response.write(data))
-
-    async def _drained(self, transport: asyncio.Transport, writes: Awaitable[None]) -> None:
-        """Wait for ``writes`` at most ``client_write_timeout_s``, else cut the client.
-
-        Raises:
-            ClientStalled: the client did not read in time (its connection is aborted).
-        """
+            if transport is None or (
+                not transport.get_write_buffer_size()
+                and len(data) <= transport.get_write_buffer_limits()[1]
+            ):
+                await response.write(data)
+                return
+            writes = response.write(data)
         try:
             await asyncio.wait_for(writes, self._timeout)
         except asyncio.TimeoutError:
@@ -239,7 +191,6 @@ class ClientStream:
             tap.sent(tail)
             tap.ended()
         self._call.context.status = 200
-        self._headers_held = False  # aiohttp's writer sends them with the last bytes
         if tap is None or not tap.detached:
             try:
                 await response.write_eof(tail)
@@ -270,7 +221,6 @@ class ClientStream:
             tap.ended()
             if tap.detached:
                 return response
-        self._headers_held = False  # aiohttp's writer sends them with the event
         try:
             await response.write(event)
             await response.write_eof()
@@ -328,8 +278,7 @@ async def relay_stream(
                 data = opening() if opening is not None else b""
                 if data:
                     await stream.send(data)
-            if not answer.buffered:
-                first = await _first_read(answer, stream, heartbeat, keepalive)
+                first = await _first_read(answer, heartbeat, keepalive)
                 if first is not None:
                     answer.unread(first)
             async for data in answer:
@@ -362,14 +311,11 @@ async def relay_stream(
         call.usage.record_stream(state.usage, state.running, state.content_events)
 
 
-async def _first_read(
-    answer: UpstreamAnswer, stream: ClientStream, heartbeat: Beat | None, keepalive: bytes | None
-) -> bytes | None:
-    """The engine's first read, None at the end of the body. The stream's headers wait for it
-    `HEADERS_HOLD_S` (to go out with it), then go alone; after that ``keepalive`` (or a
-    progress event) is sent every ``heartbeat.every`` seconds (``server.sse_keepalive_s``)
-    while the engine is silent (prefill of a long prompt takes minutes), so idle timeouts of
-    clients and proxies do not fire.
+async def _first_read(answer: UpstreamAnswer, heartbeat: Beat, keepalive: bytes) -> bytes | None:
+    """The engine's first read, beating (``keepalive``, or a progress event) every
+    ``heartbeat.every`` seconds (``server.sse_keepalive_s``) while it is silent (prefill of a
+    long prompt takes minutes), so idle timeouts of clients and proxies do not fire; None at the
+    end of the body.
 
     Raises:
         UpstreamError: the engine failed before its first byte.
@@ -377,17 +323,11 @@ async def _first_read(
     """
     pending = asyncio.ensure_future(answer.__anext__())
     try:
-        done, _ = await asyncio.wait({pending}, timeout=HEADERS_HOLD_S)
-        if not done:
-            await stream.flush_headers()
-            beats = heartbeat is not None and keepalive is not None
-            every = heartbeat.every if heartbeat is not None and beats else None
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=every)
-                if done:
-                    break
-                assert heartbeat is not None and keepalive is not None
-                await heartbeat.beat(keepalive)
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=heartbeat.every)
+            if done:
+                break
+            await heartbeat.beat(keepalive)
         try:
             return pending.result()
         except StopAsyncIteration:
