@@ -384,6 +384,11 @@ class EngineConnection(asyncio.Protocol):
         return b"".join(out) if len(out) != 1 else out[0]
 
     @property
+    def buffered(self) -> bool:
+        """Bytes of the answer's body (or its end) have arrived and are not read yet."""
+        return bool(self._raw) or self._eof
+
+    @property
     def complete(self) -> bool:
         """The answer was read to its end and the connection may carry another request."""
         transport = self.transport

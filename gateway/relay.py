@@ -9,7 +9,7 @@ give up on a client that stopped reading, one final error event after the header
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
@@ -83,15 +83,38 @@ class ClientStalled(ConnectionResetError):
     """The client left a stream unread longer than ``server.client_write_timeout_s``."""
 
 
+HEADERS_HOLD_S = 0.02
+"""Seconds a stream's headers wait for its first event, to go out in one write with it (one
+packet, one wake-up of the client, instead of two): after that they go alone."""
+
+
+class _SseResponse(web.StreamResponse):
+    """aiohttp's stream response with the headers kept until the first write, as aiohttp's
+    own `web.Response` keeps them (an attribute of aiohttp's; where it is gone, the headers
+    simply go out at `prepare`)."""
+
+    _send_headers_immediately = False
+
+
 class ClientStream:
-    """The SSE response of one model call; the headers go out at `start` (or the first write).
+    """The SSE response of one model call; the headers are made at `start` and go out with the
+    first write (`flush_headers` sends them alone).
 
     Args:
         request: the client's request.
         call: the model call (its snapshot gives the write timeout, its dialect the error shape).
     """
 
-    __slots__ = ("_call", "_direct", "_request", "_timeout", "relay", "response", "tap")
+    __slots__ = (
+        "_call",
+        "_direct",
+        "_headers_held",
+        "_request",
+        "_timeout",
+        "relay",
+        "response",
+        "tap",
+    )
 
     def __init__(self, request: web.Request, call: ModelCall) -> None:
         self._request = request
@@ -101,14 +124,16 @@ class ClientStream:
         self.response: web.StreamResponse | None = None
         self.relay: StreamRelay | None = None  # made when the stream opens (queued or answered)
         self._direct: asyncio.Transport | None = None  # chunks framed here (see `_write`)
+        self._headers_held = False  # prepared, not yet written (they go with the first write)
 
     async def start(self) -> web.StreamResponse:
-        """Send the SSE headers once: no proxy buffering, no compression (case C01)."""
+        """Make the SSE headers once: no proxy buffering, no compression (case C01). They go
+        out with the first write, or alone at `flush_headers`."""
         if self.response is None:
             headers = dict(SSE_HEADERS)
             if self._call.reservation is not None:
                 headers.update(self._call.dialect.limit_headers(self._call.reservation.headers))
-            response = web.StreamResponse(status=200, headers=headers)
+            response = _SseResponse(status=200, headers=headers)
             response.headers["x-request-id"] = self._call.context.request_id
             tap = self.tap
             if tap is not None:
@@ -116,13 +141,37 @@ class ClientStream:
             if tap is None or not tap.detached:
                 try:
                     await response.prepare(self._request)
+                    self._headers_held = True
                 except ConnectionResetError:
                     if tap is None or not tap.lost():
                         raise
-                if response.headers.get("Transfer-Encoding") == "chunked":
-                    self._direct = self._request.transport
             self.response = response
         return self.response
+
+    @property
+    def headers_held(self) -> bool:
+        """The headers are made and not yet written (they go with the first write)."""
+        return self._headers_held
+
+    async def flush_headers(self) -> None:
+        """Send the headers now if they are still held (the engine is slow to its first event,
+        or sent only part of it). A client gone meanwhile is handled as at `send`: with a tap,
+        the stream may go on without it.
+
+        Raises:
+            ConnectionResetError: the client went away (and the stream does not go on).
+        """
+        if not self._headers_held or self.response is None:
+            return
+        tap = self.tap
+        if tap is not None and tap.detached:
+            self._headers_held = False  # its client is gone: the headers are only the tap's
+            return
+        try:
+            await self._write(self.response, b"", flush=True)
+        except ConnectionResetError:
+            if tap is None or not tap.lost():
+                raise
 
     async def send(self, data: bytes) -> None:
         """Write to the stream; a client that stops reading counts as gone after the timeout.
@@ -148,35 +197,50 @@ class ClientStream:
             if not tap.lost():
                 raise
 
-    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
+    async def _write(self, response: web.StreamResponse, data: bytes, flush: bool = False) -> None:
         """Write ``data`` as one HTTP chunk; wait (at most ``client_write_timeout_s``) only when
         the client is behind.
 
-        A chunked response (HTTP/1.1, the headers sent) is framed here and written to the
-        transport (``size CRLF data CRLF``, RFC 9112 section 7.1: the bytes aiohttp's writer
-        would send, without its per-write bookkeeping, one event of a stream at a time); the
-        end of the stream and anything else go through aiohttp's writer.
+        The first write carries the held headers (aiohttp's writer joins them to the chunk in
+        one write); ``flush`` sends them even with no data. After them, a chunked response
+        (HTTP/1.1) is framed here and written to the transport (``size CRLF data CRLF``, RFC
+        9112 section 7.1: the bytes aiohttp's writer would send, without its per-write
+        bookkeeping, one event of a stream at a time); the end of the stream and anything else
+        go through aiohttp's writer.
         """
-        if not data:
-            return
-        transport = self._direct
-        if transport is not None:
-            if transport.is_closing():
-                raise ConnectionResetError("the client closed the connection")
-            behind = transport.get_write_buffer_size()
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one copy, one syscall
-            if not behind and len(data) <= transport.get_write_buffer_limits()[1]:
-                return
-            writes = self._request.writer.drain()
-        else:
+        if self._headers_held:
+            self._headers_held = False
+            if response.headers.get("Transfer-Encoding") == "chunked":
+                self._direct = self._request.transport
             transport = self._request.transport
-            if transport is None or (
-                not transport.get_write_buffer_size()
-                and len(data) <= transport.get_write_buffer_limits()[1]
-            ):
-                await response.write(data)
+        elif not data:
+            return
+        else:
+            transport = self._direct
+            if transport is not None:
+                if transport.is_closing():
+                    raise ConnectionResetError("the client closed the connection")
+                behind = transport.get_write_buffer_size()
+                transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one copy, one syscall
+                if not behind and len(data) <= transport.get_write_buffer_limits()[1]:
+                    return
+                await self._drained(transport, self._request.writer.drain())
                 return
-            writes = response.write(data)
+            transport = self._request.transport
+        if transport is None or (
+            not transport.get_write_buffer_size()
+            and len(data) <= transport.get_write_buffer_limits()[1]
+        ):
+            await response.write(data)
+            return
+        await self._drained(transport, response.write(data))
+
+    async def _drained(self, transport: asyncio.Transport, writes: Awaitable[None]) -> None:
+        """Wait for ``writes`` at most ``client_write_timeout_s``, else cut the client.
+
+        Raises:
+            ClientStalled: the client did not read in time (its connection is aborted).
+        """
         try:
             await asyncio.wait_for(writes, self._timeout)
         except asyncio.TimeoutError:
@@ -191,6 +255,7 @@ class ClientStream:
             tap.sent(tail)
             tap.ended()
         self._call.context.status = 200
+        self._headers_held = False  # aiohttp's writer sends them with the last bytes
         if tap is None or not tap.detached:
             try:
                 await response.write_eof(tail)
@@ -221,6 +286,7 @@ class ClientStream:
             tap.ended()
             if tap.detached:
                 return response
+        self._headers_held = False  # aiohttp's writer sends them with the event
         try:
             await response.write(event)
             await response.write_eof()
@@ -278,7 +344,10 @@ async def relay_stream(
                 data = opening() if opening is not None else b""
                 if data:
                     await stream.send(data)
-                first = await _first_read(answer, heartbeat, keepalive)
+            loop = asyncio.get_running_loop()
+            held_until = loop.time() + HEADERS_HOLD_S
+            if not answer.buffered:
+                first = await _first_read(answer, stream, HEADERS_HOLD_S, heartbeat, keepalive)
                 if first is not None:
                     answer.unread(first)
             async for data in answer:
@@ -288,6 +357,14 @@ async def relay_stream(
                         call.ttft_s = clock() - context.started
                         metrics.ttft.labels(call.caller.label).observe(call.ttft_s)
                     await stream.send(out)
+                elif stream.headers_held and not answer.buffered:
+                    # Nothing to send yet (the first event comes in pieces, or the dialect
+                    # shows none for it): the headers wait for the next read only what is left
+                    # of their hold.
+                    more = await _first_read(answer, stream, held_until - loop.time())
+                    if more is None:
+                        break
+                    answer.unread(more)
         except UpstreamError as exc:
             failure = exc
         except EventTooLarge as exc:
@@ -311,11 +388,18 @@ async def relay_stream(
         call.usage.record_stream(state.usage, state.running, state.content_events)
 
 
-async def _first_read(answer: UpstreamAnswer, heartbeat: Beat, keepalive: bytes) -> bytes | None:
-    """The engine's first read, beating (``keepalive``, or a progress event) every
-    ``heartbeat.every`` seconds (``server.sse_keepalive_s``) while it is silent (prefill of a
-    long prompt takes minutes), so idle timeouts of clients and proxies do not fire; None at the
-    end of the body.
+async def _first_read(
+    answer: UpstreamAnswer,
+    stream: ClientStream,
+    hold: float,
+    heartbeat: Beat | None = None,
+    keepalive: bytes | None = None,
+) -> bytes | None:
+    """The engine's first read, None at the end of the body. The stream's headers wait for it
+    ``hold`` seconds (`HEADERS_HOLD_S`, to go out with it), then go alone; after that
+    ``keepalive`` (or a progress event) is sent every ``heartbeat.every`` seconds
+    (``server.sse_keepalive_s``) while the engine is silent (prefill of a long prompt takes
+    minutes), so idle timeouts of clients and proxies do not fire.
 
     Raises:
         UpstreamError: the engine failed before its first byte.
@@ -323,11 +407,17 @@ async def _first_read(answer: UpstreamAnswer, heartbeat: Beat, keepalive: bytes)
     """
     pending = asyncio.ensure_future(answer.__anext__())
     try:
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=heartbeat.every)
-            if done:
-                break
-            await heartbeat.beat(keepalive)
+        done, _ = await asyncio.wait({pending}, timeout=max(hold, 0.0))
+        if not done:
+            await stream.flush_headers()
+            beats = heartbeat is not None and keepalive is not None
+            every = heartbeat.every if heartbeat is not None and beats else None
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=every)
+                if done:
+                    break
+                assert heartbeat is not None and keepalive is not None
+                await heartbeat.beat(keepalive)
         try:
             return pending.result()
         except StopAsyncIteration:

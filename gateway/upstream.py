@@ -366,6 +366,11 @@ class UpstreamAnswer:
         self._upstream.progress_at = time.monotonic()
         return data
 
+    @property
+    def buffered(self) -> bool:
+        """Body bytes have arrived and wait to be read (the next read returns at once)."""
+        return self._pending is not None or self._connection.buffered
+
     def unread(self, data: bytes) -> None:
         """Give ``data`` (a read taken from `__anext__`) back: the next read returns it first."""
         self._pending = data

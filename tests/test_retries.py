@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from gateway import ledger
+from gateway import ledger, relay
 from gateway.flight import Flight
 from gateway.retries import FLIGHTS
 from gateway.state import ACCOUNTING, BODY_MEMORY, FINISH_HOOKS, METRICS, RequestContext
@@ -188,6 +188,31 @@ async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None
     assert call is not None and call.attaches == 1 and call.usage.completion_tokens == 30
     assert seen[0].status == 200 and seen[0].reason == "retry_detached"
     assert matches(stack, "key", "attach") == 1
+
+
+async def test_first_client_gone_while_its_headers_wait_keeps_the_generation(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyed stream whose client leaves while its headers wait for the engine's first event
+    (`relay.HEADERS_HOLD_S`, widened here) goes on detached: the retry attaches and gets the
+    whole stream of the one generation, not a 200 with no events."""
+    monkeypatch.setattr(relay, "HEADERS_HOLD_S", 0.4)
+    seen = recorded(stack)
+    body = chat_body(stream=True, max_tokens=30, sim={"silence_s": 1.0, "completion_tokens": 5})
+    keyed = {**AUTH_A, "Idempotency-Key": "gone-while-held"}
+    first = asyncio.ensure_future(stack.client.post(CHAT, json=body, headers=keyed))
+    assert await until(lambda: len(stack.app[FLIGHTS]) == 1)
+    await asyncio.sleep(0.15)  # the engine's headers are in, the client's are held
+    first.cancel()
+    await asyncio.sleep(0.4)  # the hold ends on a client gone
+    second = await stack.client.post(CHAT, json=body, headers=keyed)
+    assert second.status == 200
+    assert second.headers.get("Idempotent-Replayed") == "true"
+    events = sse_data(await second.read())
+    assert events[-1] == "[DONE]" and len(events) >= 6
+    assert generations(stack) == 1
+    assert await until(lambda: len(seen) == 1)
+    assert seen[0].status == 200 and seen[0].reason == "retry_detached"
 
 
 async def test_plain_stream_records_nothing_past_its_headers(stack: Stack) -> None:
