@@ -385,8 +385,9 @@ class EngineConnection(asyncio.Protocol):
 
     @property
     def buffered(self) -> bool:
-        """Bytes of the answer's body (or its end) have arrived and are not read yet."""
-        return bool(self._raw) or self._eof
+        """The next `read` returns at once: bytes of the answer's body have arrived and are not
+        read yet, or its end has."""
+        return bool(self._raw) or self._eof or self._mode == _DONE
 
     @property
     def complete(self) -> bool:

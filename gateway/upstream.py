@@ -368,7 +368,8 @@ class UpstreamAnswer:
 
     @property
     def buffered(self) -> bool:
-        """Body bytes have arrived and wait to be read (the next read returns at once)."""
+        """The next read returns at once: body bytes have arrived and wait to be read, or the
+        body's end has."""
         return self._pending is not None or self._connection.buffered
 
     def unread(self, data: bytes) -> None:
