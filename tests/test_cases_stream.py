@@ -213,6 +213,47 @@ def test_a_translated_first_event_arrives_with_the_headers(
     assert together >= 8, f"{together} of {len(firsts)} first reads held an event"
 
 
+def test_a_stream_ends_once_its_request_is_recorded(stack: Gateway) -> None:
+    """The chunked terminator of a stream goes out only after the request is recorded (slot,
+    usage, ledger, access line): the access line, with its status and tokens, is in the log
+    the moment the client has read the end. The engine's last events go out with the end when
+    they arrive together with it (checked by eye here, not counted: a loaded machine splits
+    them)."""
+    body = json.dumps(
+        {
+            **chat({"completion_tokens": 4, "tokens_per_second": 50}),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    ended_unlogged = []
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer %b\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                % (KEY_A.encode(), len(body), body)
+            )
+            seen = b""
+            while not seen.endswith(b"\r\n0\r\n\r\n"):
+                data = sock.recv(65536)
+                assert data, "the gateway closed the stream before its end"
+                seen += data
+            # The end is read: the log is read at once, before anything else happens.
+            logged = {entry.get("request_id"): entry for entry in stack.access_logs()}
+        request_id = seen.split(b"x-request-id: ", 1)[1].split(b"\r\n", 1)[0].decode()
+        entry = logged.get(request_id)
+        if entry is None:
+            ended_unlogged.append(request_id)
+            continue
+        assert entry["status"] == 200 and entry["completion_tokens"] == 4
+        assert b'"usage":{' in seen and seen.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    # Written before the request's bookkeeping, the end reached the client before the access
+    # line in about half the requests.
+    assert not ended_unlogged, f"{len(ended_unlogged)} of 20 streams ended before being logged"
+
+
 # ----------------------------------------------------------------------------------------- C20
 
 
