@@ -7,6 +7,8 @@ could still reach a line through an exception message.
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import logging
 import re
 import sys
@@ -46,6 +48,47 @@ def _logger_factory(stream: TextIO) -> Callable[..., NamedWriteLogger]:
         return NamedWriteLogger(stream, str(args[0]) if args else "gateway")
 
     return factory
+
+
+class _AccessLine:
+    """Where the access line goes: the stream and threshold `configure_logging` set, and
+    the structlog processors it configured with them."""
+
+    def __init__(self) -> None:
+        self.writer: NamedWriteLogger | None = None
+        self.threshold = logging.INFO
+        self.chain: list[Processor] = []
+
+
+_ACCESS = _AccessLine()
+
+
+def access_line(fields: dict[str, Any], warning: bool = False) -> None:
+    """Write the access line (event ``request``, logger ``gateway.access``) of one request:
+    the line structlog's chain would write for ``log.info("request", **fields)`` (or
+    ``warning``), with the bound context, level, logger, ISO 8601 UTC timestamp and
+    `redact_secrets`, rendered here in one pass.
+
+    It is the one line of every request, written at its end on a cache that the request's
+    stream has gone cold on: structlog's chain of processors took 200 µs of it there, this
+    90 µs (c=1, 256-token streams, `tests/perf/README.md`). Before `configure_logging`, or
+    while structlog is configured otherwise (a test's capture), it goes through structlog.
+    ``fields`` is changed (the line's keys are added to it).
+    """
+    writer = _ACCESS.writer
+    if writer is None or structlog.get_config()["processors"] != _ACCESS.chain:
+        logger = structlog.get_logger("gateway.access")
+        (logger.warning if warning else logger.info)("request", **fields)
+        return
+    level = logging.WARNING if warning else logging.INFO
+    if level < _ACCESS.threshold:
+        return
+    fields["event"] = "request"
+    structlog.contextvars.merge_contextvars(writer, "info", fields)
+    fields["level"] = "warning" if warning else "info"
+    fields["logger"] = "gateway.access"
+    fields["timestamp"] = dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    writer.msg(json.dumps(redact_secrets(writer, "info", fields), default=repr))
 
 
 def redact_secrets(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
@@ -90,12 +133,16 @@ def configure_logging(level: str = "info", stream: TextIO | None = None) -> None
         redact_secrets,
         structlog.processors.JSONRenderer(sort_keys=False),
     ]
+    processors = [*shared, *render]
     structlog.configure(
-        processors=[*shared, *render],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
         logger_factory=_logger_factory(out),
         cache_logger_on_first_use=False,
     )
+    _ACCESS.writer = NamedWriteLogger(out, "gateway.access")
+    _ACCESS.chain = list(processors)
+    _ACCESS.threshold = threshold
     handler = logging.StreamHandler(out)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
@@ -120,6 +167,7 @@ def set_level(level: str) -> None:
     """
     threshold = LEVELS[level]
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(threshold))
+    _ACCESS.threshold = threshold
     logging.getLogger().setLevel(_library_threshold(threshold))
 
 

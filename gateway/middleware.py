@@ -22,6 +22,7 @@ from aiohttp import HttpVersion11, web
 from gateway.dialects import CHAT, Dialect
 from gateway.errors import GatewayError, HttpError, InvalidApiKey, MethodNotAllowed, NotFound
 from gateway.http_errors import error_for
+from gateway.logs import access_line
 from gateway.metrics import ROUTES
 from gateway.secret_scan import OwnCredential, looks_like_credential
 from gateway.state import (
@@ -38,7 +39,6 @@ from gateway.state import (
     RequestContext,
 )
 
-log = structlog.get_logger("gateway.access")
 events = structlog.get_logger("gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -197,10 +197,7 @@ def finish_request(request: web.Request, context: RequestContext) -> None:
         fields["reason"] = context.reason
     if context.error_status:
         fields["error_status"] = context.error_status
-    if status >= 500 or context.error_status >= 500:
-        log.warning("request", **fields)
-    else:
-        log.info("request", **fields)
+    access_line(fields, warning=status >= 500 or context.error_status >= 500)
     for hook in app[FINISH_HOOKS]:
         try:
             hook(context)

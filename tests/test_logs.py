@@ -21,7 +21,7 @@ from gateway.auth import issue_token
 from gateway.config import parse_settings
 from gateway.credentials import b64url_encode
 from gateway.keys_file import load_keys_file
-from gateway.logs import REDACTED, configure_logging, redact_secrets, set_level
+from gateway.logs import REDACTED, access_line, configure_logging, redact_secrets, set_level
 from gateway.metrics import Metrics
 from gateway.upstream import EngineState
 from tests.conftest import ALIAS, DEFAULT_KEYS, KEY_A, KEY_C, write_keys
@@ -109,6 +109,34 @@ def test_level_drops_lines_below_it(output: io.StringIO, level: str, shown: list
     log.warning("w")
     log.error("e")
     assert [e["event"] for e in lines(output)] == shown
+
+
+def test_the_access_line_is_the_line_structlog_would_write(output: io.StringIO) -> None:
+    """`access_line` renders the request line itself: the same keys and values as structlog's
+    chain (bound context, level, logger, UTC time, secrets masked), at the level's threshold."""
+    configure_logging("info", output)
+    structlog.contextvars.bind_contextvars(request_id="r-1")
+    try:
+        fields = {"method": "POST", "status": 200, "subject": f"Bearer {KEY_A}", "ms": 1.5}
+        access_line(dict(fields))
+        structlog.get_logger("gateway.access").info("request", **fields)
+        access_line({"status": 502}, warning=True)
+        set_level("warning")
+        access_line({"status": 200})
+        access_line({"status": 503}, warning=True)
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+    ours, theirs, failed, shown = lines(output)
+    assert KEY_A not in output.getvalue() and ours["subject"] == REDACTED
+    del ours["timestamp"], theirs["timestamp"]
+    assert ours == theirs
+    assert (ours["event"], ours["logger"], ours["request_id"]) == (
+        "request",
+        "gateway.access",
+        "r-1",
+    )
+    assert (failed["level"], failed["status"]) == ("warning", 502)
+    assert (shown["level"], shown["status"]) == ("warning", 503)
 
 
 def test_set_level_changes_only_the_threshold(output: io.StringIO) -> None:
