@@ -439,7 +439,12 @@ async def relay_stream(
                         break
                     answer.unread(more)
         except UpstreamError as exc:
-            failure = exc
+            if not state.done:
+                failure = exc
+            # else the engine's [DONE] came, then its connection failed before the body's end
+            # (the engine died just after its answer): the answer is whole and ends as one,
+            # not with an error event the SDKs raise on; the failure stays counted and the
+            # connection is not reused.
         except EventTooLarge as exc:
             failure = answer.failed(
                 EngineAnswerTooLarge("event", call.settings.engine.max_event_bytes), exc

@@ -314,6 +314,41 @@ def test_an_http10_stream_ends_with_its_connection(stack: Gateway, connection: b
     assert events.endswith(b"data: [DONE]\n\n")
 
 
+def test_an_engine_gone_right_after_its_done_still_ends_the_stream_whole(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """An engine whose connection drops right after its ``[DONE]``, before its body's end (the
+    engine died just after the answer): the answer is whole, so the client's stream ends as a
+    whole one (``[DONE]``; Anthropic's ``message_stop``), with no error event after it for the
+    SDKs to raise on, logged 200 without an error status; the drop is counted, and the next
+    request is served on a new engine connection."""
+    gw = gateway_factory(sim_factory("--drop-after-done", "--completion-tokens", "4"))
+    client = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=ALIAS, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    with httpx.stream(
+        "POST",
+        gw.url("/v1/messages"),
+        json={**chat(), "max_tokens": 16, "stream": True},
+        headers={"x-api-key": KEY_A, "anthropic-version": "2023-06-01"},
+        timeout=30,
+    ) as r:
+        raw = b"".join(r.iter_raw())
+    assert raw.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    assert b"event: error" not in raw
+    assert gw.read_through(KEY_A, {**chat(), "stream": True}, 30) == 200
+    lines = [e for e in gw.access_logs() if e["route"] != "/ready"]
+    assert [(e["status"], e.get("error_status"), e.get("reason")) for e in lines] == [
+        (200, None, None)
+    ] * 3
+    assert gw.metric("gateway_upstream_errors_total", kind="disconnect") == 3
+    assert gw.metric("gateway_requests_in_flight") == 0
+
+
 # ----------------------------------------------------------------------------------------- C20
 
 
