@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from gateway.answers import (
     OFFLOAD_BYTES,
@@ -88,6 +88,11 @@ HEADERS_HOLD_S = 0.02
 packet, one wake-up of the client, instead of two): after that they go alone."""
 
 
+_HEADERS_ALLOWANCE = 4096
+"""Bytes counted for a stream's held headers (its status line and SSE and rate-limit headers
+take under 1 KiB) when deciding whether its last bytes can be left to aiohttp's end."""
+
+
 class _SseResponse(web.StreamResponse):
     """aiohttp's stream response with the headers kept until the first write, as aiohttp's
     own `web.Response` keeps them (an attribute of aiohttp's; where it is gone, the headers
@@ -147,6 +152,7 @@ class ClientStream:
                 headers.update(self._call.dialect.limit_headers(self._call.reservation.headers))
             response = _SseResponse(status=200, headers=headers)
             response.headers["x-request-id"] = self._call.context.request_id
+            close_delimited(self._request, response)
             tap = self.tap
             if tap is not None:
                 tap.opened(response.status, response.headers)
@@ -266,24 +272,54 @@ class ClientStream:
         body does. The client's next request on the connection then finds the gateway free
         instead of behind that work (0.2-0.4 ms of its TTFT at c=1, `tests/perf/README.md`),
         and usage is settled before the client sees the end. A client gone by then is
-        aiohttp's to notice; the answer was whole."""
+        aiohttp's to notice; the answer was whole. aiohttp's end waits for a client that is
+        behind without a limit, so ``tail`` is left to it only when it fits in the socket's
+        buffer at once (`_fits`); otherwise it is written here first, under
+        ``client_write_timeout_s`` (a stalled client is then a 499, not a connection held).
+
+        Raises:
+            ConnectionResetError: the client went away, or stalled, while ``tail`` was written
+                here (`ClientStalled`)."""
         response = self.response or await self.start()
         tap = self.tap
         if tap is not None:
             tap.sent(tail)
             tap.ended()
         self._call.context.status = 200
-        self._headers_held = False  # aiohttp's writer sends them with the last bytes
         if tap is None or not tap.detached:
             if isinstance(response, _SseResponse):
+                if tail and not self._fits(len(tail)):
+                    # aiohttp's end waits for the client without a limit: bytes that may make
+                    # it wait (a client behind, or a large last event) go out here, under
+                    # ``client_write_timeout_s``, and only the terminator is left to it.
+                    try:
+                        await self._write(response, tail)
+                    except ConnectionResetError:
+                        if tap is None or not tap.lost():
+                            raise
+                        return response
+                    tail = b""
+                self._headers_held = False  # aiohttp's writer sends them with the last bytes
                 response.final = tail
             else:
+                self._headers_held = False
                 try:
                     await response.write_eof(tail)
                 except ConnectionResetError:
                     if tap is None or not tap.lost():
                         raise
         return response
+
+    def _fits(self, size: int) -> bool:
+        """``size`` bytes more (and the headers, when still held) stay within the transport's
+        high-water mark (64 KiB), so writing them never waits for the client: aiohttp's end of
+        the response, which would wait without a limit, may take them."""
+        transport = self._request.transport
+        if transport is None or transport.is_closing():
+            return True  # nothing waits: the write fails at once, aiohttp's to notice
+        held = _HEADERS_ALLOWANCE if self._headers_held else 0
+        buffered = transport.get_write_buffer_size()
+        return buffered + size + held <= transport.get_write_buffer_limits()[1]
 
     async def end_with_error(self, error: GatewayError) -> web.StreamResponse:
         """After the headers went out an error is one final error event, then the end.
@@ -319,6 +355,16 @@ class ClientStream:
         """The client went away: see `client_gone`; returns the response to end the handler."""
         client_gone(self._request, self._call, stalled)
         return self.response if self.response is not None else web.Response(status=499)
+
+
+def close_delimited(request: web.Request, response: web.StreamResponse) -> None:
+    """End the connection with ``response`` when its client reads a body of unknown length to
+    the connection's close: an HTTP/1.0 request (no chunked coding, RFC 9112 section 6.3), even
+    one with ``Connection: keep-alive`` (aiohttp drops that header then, but keeps the
+    connection open, and the client would wait for the end of a stream until the idle
+    timeout)."""
+    if request.version < HttpVersion11 and response.content_length is None:
+        response.force_close()
 
 
 def client_gone(request: web.Request, call: ModelCall, stalled: bool = False) -> None:
@@ -393,7 +439,12 @@ async def relay_stream(
                         break
                     answer.unread(more)
         except UpstreamError as exc:
-            failure = exc
+            if not state.done:
+                failure = exc
+            # else the engine's [DONE] came, then its connection failed before the body's end
+            # (the engine died just after its answer): the answer is whole and ends as one,
+            # not with an error event the SDKs raise on; the failure stays counted and the
+            # connection is not reused.
         except EventTooLarge as exc:
             failure = answer.failed(
                 EngineAnswerTooLarge("event", call.settings.engine.max_event_bytes), exc

@@ -54,7 +54,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from gateway.config import RetriesSettings
 from gateway.errors import BadGateway, BadRequest, ClientError, GatewayError
 from gateway.flight import ENTRY_OVERHEAD_BYTES, Flight, Follower
-from gateway.relay import TAP
+from gateway.relay import TAP, close_delimited
 from gateway.state import BODY_MEMORY, METRICS, ModelCall
 
 log = structlog.get_logger("gateway.retries")
@@ -496,6 +496,7 @@ async def _follow_stream(
         raise _failure(flight)
     response = web.StreamResponse(status=flight.status, headers=_headers(flight))
     response.headers["x-request-id"] = call.context.request_id
+    close_delimited(request, response)
     await response.prepare(request)
     call.context.status = flight.status
     timeout = call.settings.server.client_write_timeout_s

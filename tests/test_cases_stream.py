@@ -3,6 +3,7 @@ when a stream's headers go out."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -252,6 +253,100 @@ def test_a_stream_ends_once_its_request_is_recorded(stack: Gateway) -> None:
     # Written before the request's bookkeeping, the end reached the client before the access
     # line in about half the requests.
     assert not ended_unlogged, f"{len(ended_unlogged)} of 20 streams ended before being logged"
+
+
+def test_a_client_that_stops_reading_at_a_large_end_is_cut(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """A stream whose last events are large (an engine that lagged merges the rest of its
+    answer into one event, MBs, sent with its ``[DONE]``) and whose client has stopped reading:
+    its end is not left to aiohttp's end of the response, which waits for the client without a
+    limit, but cut after ``server.client_write_timeout_s`` like any write (499
+    ``client_stalled``, the connection closed), not logged 200 and held open for good."""
+    gw = gateway_factory(sim_factory(), {"server": {"client_write_timeout_s": 1.0}})
+    sim = {"completion_tokens": 6, "tokens_per_event": 6, "token_bytes": 1_500_000}
+    body = json.dumps({**chat(sim), "stream": True}).encode()
+    port = int(gw.base_url.rsplit(":", 1)[1])
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer %b\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+            % (KEY_A.encode(), len(body), body)
+        )
+        deadline = time.monotonic() + 20
+        lines: list[dict[str, Any]] = []
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.2)
+            lines = [e for e in gw.access_logs() if e["route"] == "/v1/chat/completions"]
+        assert lines, "no access line"
+        assert (lines[0]["status"], lines[0].get("reason")) == (499, "client_stalled")
+        sock.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while sock.recv(1 << 20):  # the gateway closed its side: the reads end
+                pass
+    assert gw.metric("gateway_requests_in_flight") == 0
+
+
+@pytest.mark.parametrize("connection", [b"", b"Connection: keep-alive\r\n"])
+def test_an_http10_stream_ends_with_its_connection(stack: Gateway, connection: bytes) -> None:
+    """An HTTP/1.0 client reads a stream (no chunked coding, no length) to the connection's
+    close: the gateway closes it at the stream's end, also when the client asked for
+    ``Connection: keep-alive`` (it waited for the idle timeout, 60 s, for the end)."""
+    body = json.dumps({**chat({"completion_tokens": 3}), "stream": True}).encode()
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.0\r\nHost: gw\r\nAuthorization: Bearer %b\r\n"
+            b"Content-Type: application/json\r\n%bContent-Length: %d\r\n\r\n%b"
+            % (KEY_A.encode(), connection, len(body), body)
+        )
+        seen = b""
+        while True:
+            data = sock.recv(65536)  # socket.timeout: the gateway kept the connection open
+            if not data:
+                break
+            seen += data
+    head, _, events = seen.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200")
+    assert b"keep-alive" not in head.lower()
+    assert events.endswith(b"data: [DONE]\n\n")
+
+
+def test_an_engine_gone_right_after_its_done_still_ends_the_stream_whole(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """An engine whose connection drops right after its ``[DONE]``, before its body's end (the
+    engine died just after the answer): the answer is whole, so the client's stream ends as a
+    whole one (``[DONE]``; Anthropic's ``message_stop``), with no error event after it for the
+    SDKs to raise on, logged 200 without an error status; the drop is counted, and the next
+    request is served on a new engine connection."""
+    gw = gateway_factory(sim_factory("--drop-after-done", "--completion-tokens", "4"))
+    client = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=ALIAS, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    with httpx.stream(
+        "POST",
+        gw.url("/v1/messages"),
+        json={**chat(), "max_tokens": 16, "stream": True},
+        headers={"x-api-key": KEY_A, "anthropic-version": "2023-06-01"},
+        timeout=30,
+    ) as r:
+        raw = b"".join(r.iter_raw())
+    assert raw.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    assert b"event: error" not in raw
+    assert gw.read_through(KEY_A, {**chat(), "stream": True}, 30) == 200
+    lines = [e for e in gw.access_logs() if e["route"] != "/ready"]
+    assert [(e["status"], e.get("error_status"), e.get("reason")) for e in lines] == [
+        (200, None, None)
+    ] * 3
+    assert gw.metric("gateway_upstream_errors_total", kind="disconnect") == 3
+    assert gw.metric("gateway_requests_in_flight") == 0
 
 
 # ----------------------------------------------------------------------------------------- C20

@@ -830,6 +830,19 @@ async def test_c06_stream_without_done(client: aiohttp.ClientSession) -> None:
     assert chunks(raw)[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_drop_after_done(client: aiohttp.ClientSession) -> None:
+    """drop_after_done sends the whole answer, [DONE] included, then closes the connection
+    without the body's end (the 0-size chunk)."""
+    received = b""
+    body = chat(sim={"drop_after_done": True, "completion_tokens": 3}, stream=True)
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async with client.post(BASE + CHAT, json=body) as r:
+            async for data in r.content.iter_any():
+                received += data
+    assert received.endswith(b"data: [DONE]\n\n")
+    assert chunks(received)[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 async def test_c06_drop_after_tokens(client: aiohttp.ClientSession, sim: SimProcess) -> None:
     """C06b: drop_after closes the connection mid-body after N tokens; recorded as an error."""
     request_id = rid()

@@ -385,6 +385,9 @@ async def stream_answer(
         if not behaviour.no_done:
             await writer.send(DONE)
         await writer.finish()
+        if behaviour.drop_after_done:
+            close_connection(request)  # what was written goes out; the body's end never does
+            return response
     except ConnectionError:
         trace.outcome = "aborted"
     finally:

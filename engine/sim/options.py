@@ -125,6 +125,13 @@ class Behaviour:
     no_done: bool = field(
         default=False, metadata=_opt("end the stream normally but without data: [DONE]")
     )
+    drop_after_done: bool = field(
+        default=False,
+        metadata=_opt(
+            "close the connection right after data: [DONE], without the body's end (the "
+            "0-size chunk): an engine that died just after its answer"
+        ),
+    )
     stall_after: int | None = field(
         default=None,
         metadata=_opt(
