@@ -138,12 +138,12 @@ class ClientStream:
         self._call = call
         self.tap = request.get(TAP)
         self._timeout = call.settings.server.client_write_timeout_s
-        self.response: web.StreamResponse | None = None
+        self.response: _SseResponse | None = None
         self.relay: StreamRelay | None = None  # made when the stream opens (queued or answered)
         self._direct: asyncio.Transport | None = None  # chunks framed here (see `_write`)
         self._headers_held = False  # prepared, not yet written (they go with the first write)
 
-    async def start(self) -> web.StreamResponse:
+    async def start(self) -> _SseResponse:
         """Make the SSE headers once: no proxy buffering, no compression (case C01). They go
         out with the first write, or alone at `flush_headers`."""
         if self.response is None:
@@ -287,27 +287,19 @@ class ClientStream:
             tap.ended()
         self._call.context.status = 200
         if tap is None or not tap.detached:
-            if isinstance(response, _SseResponse):
-                if tail and not self._fits(len(tail)):
-                    # aiohttp's end waits for the client without a limit: bytes that may make
-                    # it wait (a client behind, or a large last event) go out here, under
-                    # ``client_write_timeout_s``, and only the terminator is left to it.
-                    try:
-                        await self._write(response, tail)
-                    except ConnectionResetError:
-                        if tap is None or not tap.lost():
-                            raise
-                        return response
-                    tail = b""
-                self._headers_held = False  # aiohttp's writer sends them with the last bytes
-                response.final = tail
-            else:
-                self._headers_held = False
+            if tail and not self._fits(len(tail)):
+                # aiohttp's end waits for the client without a limit: bytes that may make it
+                # wait (a client behind, or a large last event) go out here, under
+                # ``client_write_timeout_s``, and only the terminator is left to it.
                 try:
-                    await response.write_eof(tail)
+                    await self._write(response, tail)
                 except ConnectionResetError:
                     if tap is None or not tap.lost():
                         raise
+                    return response
+                tail = b""
+            self._headers_held = False  # aiohttp's writer sends them with the last bytes
+            response.final = tail
         return response
 
     def _fits(self, size: int) -> bool:
