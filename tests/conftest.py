@@ -38,11 +38,26 @@ pytest_plugins = (
 )
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago and that this process has not handed out.
+
+    The kernel may give the same ephemeral port to two probes in a row once the first is closed,
+    so two calls for one gateway (server and metrics) could collide; a port is never handed out
+    twice (the memory is dropped after 10,000 ports, a third of Linux's ephemeral range).
+    """
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port not in _HANDED_OUT:
+            break
+    if len(_HANDED_OUT) >= 10_000:
+        _HANDED_OUT.clear()
+    _HANDED_OUT.add(port)
+    return port
 
 
 def to_toml(data: dict[str, Any], prefix: str = "") -> str:

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 HAPROXY_CFG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
 
@@ -38,13 +40,6 @@ PG_BIN = _pg_bin()
 HAPROXY = shutil.which("haproxy") or (
     "/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None
 )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pg_user() -> str | None:

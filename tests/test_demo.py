@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from gateway.demo import demo_settings
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "qwen3.8-27b"
@@ -50,13 +51,6 @@ ADD = {
         },
     },
 }
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def demo_command(port: int, metrics_port: int) -> list[str]:
