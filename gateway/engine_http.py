@@ -41,6 +41,10 @@ class EngineHttpError(Exception):
 _CHUNKED, _LENGTH, _CLOSE, _DONE = 0, 1, 2, 3  # how the body ends
 
 
+class _Expired(Exception):
+    """`EngineConnection.read_within` ran out of time (never raised out of it)."""
+
+
 class EngineConnection(asyncio.Protocol):
     """One connection to the engine: `send` a request, `read_head`, then `read` the body.
 
@@ -293,6 +297,28 @@ class EngineConnection(asyncio.Protocol):
                     return b""
                 raise EngineHttpError("the engine closed the connection before the answer's end")
             await self._wait(timeout)
+
+    async def read_within(self, timeout: float | None, within: float) -> bytes | None:
+        """`read`, giving up after ``within`` seconds with None when nothing could be read yet
+        (the bytes that arrived meanwhile wait for the next read).
+
+        Raises:
+            EngineHttpError, asyncio.TimeoutError: as `read`.
+        """
+        handle = self._loop.call_later(within, self._expire)
+        try:
+            return await self.read(timeout)
+        except _Expired:
+            return None
+        finally:
+            handle.cancel()
+
+    def _expire(self) -> None:
+        """`read_within`'s time is up: its waiting read stops (it consumed nothing yet)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            self._waiter = None
+            waiter.set_exception(_Expired())
 
     def _take(self, size: int) -> bytes:
         raw = self._raw

@@ -477,26 +477,19 @@ async def _first_read(
         UpstreamError: the engine failed before its first byte.
         ConnectionResetError: the client went away meanwhile.
     """
-    pending = asyncio.ensure_future(answer.__anext__())
-    try:
-        done, _ = await asyncio.wait({pending}, timeout=max(hold, 0.0))
-        if not done:
-            await stream.flush_headers()
-            beats = heartbeat is not None and keepalive is not None
-            every = heartbeat.every if heartbeat is not None and beats else None
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=every)
-                if done:
-                    break
-                assert heartbeat is not None and keepalive is not None
+    data = await answer.read_within(hold)
+    if data is None:
+        await stream.flush_headers()
+        if heartbeat is None or keepalive is None:
+            try:
+                return await answer.__anext__()
+            except StopAsyncIteration:
+                return None
+        while data is None:
+            data = await answer.read_within(heartbeat.every)
+            if data is None:
                 await heartbeat.beat(keepalive)
-        try:
-            return pending.result()
-        except StopAsyncIteration:
-            return None
-    finally:
-        if not pending.done():
-            pending.cancel()
+    return data or None
 
 
 async def relay_json(

@@ -366,6 +366,25 @@ class UpstreamAnswer:
         self._upstream.progress_at = time.monotonic()
         return data
 
+    async def read_within(self, within: float) -> bytes | None:
+        """The next read (``b""`` at the body's end), or None when none came within ``within``
+        seconds (the answer is read on later as usual).
+
+        Raises:
+            GatewayTimeout, EngineDisconnected: as `__anext__`.
+        """
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            return pending
+        try:
+            data = await self._connection.read_within(self._timeout, max(within, 0.0))
+        except (asyncio.TimeoutError, EngineHttpError) as exc:
+            raise self._read_failed(exc) from exc
+        if data:
+            self._upstream.progress_at = time.monotonic()
+        return data
+
     @property
     def buffered(self) -> bool:
         """The next read returns at once: body bytes have arrived and wait to be read, or the

@@ -725,6 +725,23 @@ async def test_any_bytes_end_an_answer_or_raise_engine_http_error(
             await read_all(connection)
 
 
+async def test_read_within_gives_up_in_time_and_loses_nothing(directory: Path) -> None:
+    """`read_within` returns None once its time is up, also with half a chunk's head arrived; the
+    next read returns the whole payload."""
+    raw = [CHUNKED_HEAD, b"5", b"\r\nhello\r\n", chunked(b"!")]
+    async with serving(directory, answering(raw, gap=0.15)) as (_, pool):
+        connection = await pool.acquire()
+        send(pool, connection)
+        await connection.read_head(2.0)
+        started = time.monotonic()
+        assert await connection.read_within(2.0, 0.05) is None
+        assert 0.04 <= time.monotonic() - started < 0.14
+        assert await connection.read_within(2.0, 0.2) is None  # its size came, not its line end
+        assert await connection.read_within(2.0, 1.0) == b"hello"
+        assert await read_all(connection) == b"!"
+        assert connection.complete
+
+
 # Read timeouts
 
 
