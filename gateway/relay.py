@@ -52,6 +52,12 @@ class Beat(Protocol):
     async def beat(self, keepalive: bytes) -> None:
         """Send ``keepalive`` or a progress event; raises ConnectionResetError if the client left."""
 
+    def sent(self) -> None:
+        """Bytes went to the client now (the next beat is due ``every`` seconds later)."""
+
+    def due_in(self) -> float:
+        """Seconds until the next beat is due: ``every`` after the last bytes sent."""
+
 
 class Tap(Protocol):
     """A record of what a stream sends, for other connections to read (`gateway.flight.Flight`).
@@ -426,7 +432,9 @@ async def relay_stream(
                     # Nothing to send yet (the first event comes in pieces, or the dialect
                     # shows none for it): the headers wait for the next read only what is left
                     # of their hold.
-                    more = await _first_read(answer, stream, held_until - loop.time())
+                    more = await _first_read(
+                        answer, stream, held_until - loop.time(), heartbeat, keepalive
+                    )
                     if more is None:
                         break
                     answer.unread(more)
@@ -470,7 +478,7 @@ async def _first_read(
     """The engine's first read, None at the end of the body. The stream's headers wait for it
     ``hold`` seconds (`HEADERS_HOLD_S`, to go out with it), then go alone; after that
     ``keepalive`` (or a progress event) is sent every ``heartbeat.every`` seconds
-    (``server.sse_keepalive_s``) while the engine is silent (prefill of a long prompt takes
+    (``server.sse_keepalive_s``, counted from the last bytes sent) while the engine is silent (prefill of a long prompt takes
     minutes), so idle timeouts of clients and proxies do not fire.
 
     Raises:
@@ -479,14 +487,19 @@ async def _first_read(
     """
     data = await answer.read_within(hold)
     if data is None:
+        flushing = stream.headers_held
         await stream.flush_headers()
         if heartbeat is None or keepalive is None:
             try:
                 return await answer.__anext__()
             except StopAsyncIteration:
                 return None
+        if flushing:
+            heartbeat.sent()
         while data is None:
-            data = await answer.read_within(heartbeat.every)
+            # Due ``every`` after the last bytes sent, also those of the queue's wait, so the
+            # move from the queue to the engine leaves no longer silence.
+            data = await answer.read_within(heartbeat.due_in())
             if data is None:
                 await heartbeat.beat(keepalive)
     return data or None

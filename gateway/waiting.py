@@ -52,7 +52,15 @@ class Heartbeat:
         clock: monotonic seconds.
     """
 
-    __slots__ = ("_call", "_clock", "_last_progress", "_progress_every", "_stream", "every")
+    __slots__ = (
+        "_call",
+        "_clock",
+        "_last_progress",
+        "_progress_every",
+        "_sent_at",
+        "_stream",
+        "every",
+    )
 
     def __init__(self, stream: ClientStream, call: ModelCall, clock: Callable[[], float]) -> None:
         self._stream = stream
@@ -62,6 +70,18 @@ class Heartbeat:
         self.every = server.sse_keepalive_s
         self._progress_every = server.sse_progress_event_s
         self._last_progress = clock()
+        self._sent_at: float | None = None  # the last bytes sent while waiting (clock)
+
+    def sent(self) -> None:
+        """Bytes went to the client now: the next beat is due ``every`` seconds later."""
+        self._sent_at = self._clock()
+
+    def due_in(self) -> float:
+        """Seconds until the next beat: ``every`` after the last bytes sent (``every`` when none
+        was sent yet), at least 0."""
+        if self._sent_at is None:
+            return self.every
+        return max(0.0, self._sent_at + self.every - self._clock())
 
     def relay(self) -> object:
         """The stream's relay, made now if the stream has none yet (the queue opens it early)."""
@@ -78,7 +98,7 @@ class Heartbeat:
         data = opening(waiting=True) if opening is not None else b""
         if data:
             await self._stream.send(data)
-        self._last_progress = self._clock()
+        self._last_progress = self._sent_at = self._clock()
 
     async def beat(self, keepalive: bytes) -> None:
         """One sign of life: ``keepalive``, or the relay's progress event when none went out for
@@ -96,8 +116,10 @@ class Heartbeat:
             if data:
                 self._last_progress = now
                 await self._stream.send(data)
+                self._sent_at = self._clock()
                 return
         await self._stream.send(keepalive)
+        self._sent_at = self._clock()
 
     def queued_keepalive(self) -> bytes:
         """What a queued stream sends between progress events: its dialect's keep-alive when

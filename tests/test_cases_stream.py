@@ -4,6 +4,7 @@ when a stream's headers go out."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import socket
 import time
@@ -112,6 +113,32 @@ def test_c22_keepalive_comments_while_the_engine_prefills(
     time.sleep(0.2)
     lines = [e for e in gw.access_logs() if e.get("ttft_ms") is not None]
     assert lines and all(e["ttft_ms"] >= 5000 for e in lines[-2:])
+
+
+def test_keepalives_go_on_while_the_first_event_arrives_in_pieces(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """The engine's first event arrives in two writes 3 s apart: after the headers, keep-alive
+    comments go out every second until the event is whole, as during a prefill."""
+    gw = gateway_factory(sim_factory(), {"server": {"sse_keepalive_s": 1.0}})
+    body = {
+        **chat({"split_writes": 2, "write_gap_ms": 3000, "completion_tokens": 1}),
+        "stream": True,
+    }
+    arrivals: list[tuple[float, bytes]] = []
+    with httpx.stream(
+        "POST", gw.url("/v1/chat/completions"), json=body, headers=AUTH, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        for piece in response.iter_raw():
+            arrivals.append((time.monotonic(), piece))
+            if b"data:" in b"".join(p for _, p in arrivals):
+                break
+    raw = b"".join(p for _, p in arrivals)
+    assert raw.count(b": keep-alive\n\n") >= 2, raw
+    times = [t for t, _ in arrivals]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert max(gaps) < 1.6, gaps  # never silent past the keep-alive interval
 
 
 @pytest.mark.parametrize("keepalive_s", [0.0, 5.0])

@@ -4,6 +4,7 @@ minutes-long ones with the real CLIs are in test_cli_long_wait.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -159,6 +160,43 @@ def test_a_queued_chat_stream_gets_comments(gw: Gateway) -> None:
     client.close()
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert len(engine_bodies(gw, "queued-chat")) == 1
+
+
+def test_no_silence_longer_than_the_keepalive_from_the_queue_into_a_prefill(
+    sim_factory: Callable[..., Any], gateway_factory: Callable[..., Gateway]
+) -> None:
+    """A queued chat stream (comments every second) that then waits for a 3 s prefill: the
+    beats go on every second from the last one of the queue, not a whole interval after the
+    engine took the request (up to twice the interval of silence)."""
+    config = {
+        "engine": {"max_concurrency": 1, "queued_comment_after_s": 0.2},
+        "server": {"sse_keepalive_s": 1.0, "sse_progress_event_s": 0},
+    }
+    gw = gateway_factory(sim_factory("--completion-tokens", "2"), config)
+    holder = hold_slot(gw, 2.0)  # granted about 0.8 s after a beat of the queue
+    body = {
+        "model": "qwen3.8-27b",
+        "messages": [{"role": "user", "content": "queued-then-prefill"}],
+        "stream": True,
+        "sim": {"prefill_ms": 3000},
+    }
+    times: list[float] = []
+    with httpx.stream(
+        "POST",
+        gw.url("/v1/chat/completions"),
+        json=body,
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        timeout=30,
+    ) as response:
+        assert response.status_code == 200
+        raw = b""
+        for piece in response.iter_raw():
+            times.append(time.monotonic())
+            raw += piece
+    holder.join(30)
+    assert b": queued" in raw and raw.rstrip().endswith(b"data: [DONE]")
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert max(gaps) < 1.5, gaps
 
 
 def test_a_queued_client_that_closes_leaves_the_queue_at_once(gw: Gateway) -> None:
