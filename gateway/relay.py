@@ -271,7 +271,7 @@ class ClientStream:
             transport.abort()
             raise ClientStalled(f"client did not read for {self._timeout:g} s") from None
 
-    async def end(self, tail: bytes) -> web.StreamResponse:
+    async def end(self, tail: bytes, at_once: bool = False) -> web.StreamResponse:
         """End a complete stream: status 200 for the log; ``tail`` (the last events) and the
         chunked terminator go out in one write when aiohttp ends the response, after the
         request's bookkeeping (slot, usage, ledger, access line) is done, as a JSON answer's
@@ -282,6 +282,9 @@ class ClientStream:
         behind without a limit, so ``tail`` is left to it only when it fits in the socket's
         buffer at once (`_fits`); otherwise it is written here first, under
         ``client_write_timeout_s`` (a stalled client is then a 499, not a connection held).
+        With ``at_once`` (bookkeeping that may wait on the engine: the counters' settling of a
+        cut request, its prompt count), ``tail`` is written here too and only the terminator
+        waits for the bookkeeping.
 
         Raises:
             ConnectionResetError: the client went away, or stalled, while ``tail`` was written
@@ -293,7 +296,7 @@ class ClientStream:
             tap.ended()
         self._call.context.status = 200
         if tap is None or not tap.detached:
-            if tail and not self._fits(len(tail)):
+            if tail and (at_once or not self._fits(len(tail))):
                 # aiohttp's end waits for the client without a limit: bytes that may make it
                 # wait (a client behind, or a large last event) go out here, under
                 # ``client_write_timeout_s``, and only the terminator is left to it.
@@ -461,7 +464,9 @@ async def relay_stream(
             if last:
                 await stream.send(last)
             return await stream.end_with_error(failure)
-        return await stream.end(last + tail if last else tail)
+        # Without the engine's final usage (its error event, an answer cut short) the
+        # bookkeeping may wait on the engine's counters: the last events go out at once.
+        return await stream.end(last + tail if last else tail, at_once=state.usage is None)
     except ConnectionResetError as exc:
         return stream.gone(isinstance(exc, ClientStalled))
     finally:

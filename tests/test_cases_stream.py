@@ -115,6 +115,36 @@ def test_c22_keepalive_comments_while_the_engine_prefills(
     assert lines and all(e["ttft_ms"] >= 5000 for e in lines[-2:])
 
 
+def test_an_engine_error_reaches_the_client_before_the_slow_bookkeeping(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """A stream the engine ends with an error event before any token: at one slot the
+    request keeps the slot until the engine's counters settle (`/metrics` 0.4 s late here, so
+    about a second), and only the stream's end waits for that; the error event, and the events
+    before it, reach the client at once."""
+    gw = gateway_factory(
+        sim_factory("--metrics-delay-s", "0.4"), {"engine": {"max_concurrency": 1}}
+    )
+    body = {**chat({"error_after": 0}), "stream": True}
+    raw = b""
+    seen_error = None
+    with httpx.stream(
+        "POST", gw.url("/v1/chat/completions"), json=body, headers=AUTH, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        for piece in response.iter_raw():
+            raw += piece
+            if seen_error is None and b'"error":' in raw:
+                seen_error = time.monotonic()
+    ended = time.monotonic()
+    assert seen_error is not None, raw
+    assert ended - seen_error >= 0.4, (
+        f"the error event came {ended - seen_error:.2f} s before the end"
+    )
+    lines = [e for e in gw.access_logs() if e.get("route") == "/v1/chat/completions"]
+    assert len(lines) == 1 and lines[0]["usage_source"] == "counters", lines
+
+
 def test_keepalives_go_on_while_the_first_event_arrives_in_pieces(
     gateway_factory: Any, sim_factory: Any
 ) -> None:

@@ -293,6 +293,10 @@ async def _load(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    """`GET /metrics` (section 1.3), after ``--metrics-delay-s``."""
+    delay = request.app[OPTIONS].metrics_delay_s
+    if delay > 0:
+        await asyncio.sleep(delay)
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -264,6 +264,7 @@ class SimOptions:
     load_s: float = 0.0
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
     health_delay_busy_s: float = 0.0
+    metrics_delay_s: float = 0.0
     record: str | None = None
     behaviour: Behaviour = Behaviour()
 
@@ -303,6 +304,7 @@ class SimOptions:
             load_s=args.load_s,
             keep_alive_s=keep_alive,
             health_delay_busy_s=args.health_delay_busy_s,
+            metrics_delay_s=args.metrics_delay_s,
             record=args.record,
             behaviour=Behaviour(**{name: getattr(args, name) for name in _SPECS}),
         )
@@ -421,6 +423,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_KV_CACHE_TOKENS,
         help="KV cache pool size for vllm:kv_cache_usage_perc",
+    )
+    sim.add_argument(
+        "--metrics-delay-s",
+        type=float,
+        default=0.0,
+        help="seconds /metrics waits before answering, like a loaded engine host",
     )
     sim.add_argument(
         "--health-delay-busy-s",
