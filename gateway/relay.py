@@ -483,8 +483,9 @@ async def _first_read(
     """The engine's first read, None at the end of the body. The stream's headers wait for it
     ``hold`` seconds (`HEADERS_HOLD_S`, to go out with it), then go alone; after that
     ``keepalive`` (or a progress event) is sent every ``heartbeat.every`` seconds
-    (``server.sse_keepalive_s``, counted from the last bytes sent) while the engine is silent (prefill of a long prompt takes
-    minutes), so idle timeouts of clients and proxies do not fire.
+    (``server.sse_keepalive_s``, counted from the last bytes sent) while the engine is silent
+    (prefill of a long prompt takes minutes), so idle timeouts of clients and proxies do not
+    fire.
 
     Raises:
         UpstreamError: the engine failed before its first byte.
