@@ -31,6 +31,7 @@ import contextvars
 import functools
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -136,9 +137,9 @@ def install() -> None:
     stream.send = send  # type: ignore[method-assign]
     original_end = stream.end
 
-    async def end(self: Any, tail: bytes) -> Any:
+    async def end(self: Any, tail: bytes, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await original_end(self, tail)
+            return await original_end(self, tail, *args, **kwargs)
         finally:
             record = _current.get()
             if record is not None:
@@ -190,7 +191,9 @@ async def _drive(url: str, key: str, body: dict[str, Any], count: int) -> list[f
     import aiohttp
 
     ttfts = []
-    async with aiohttp.ClientSession() as session:
+    # A request the timed gateway never ends (its wrappers out of step with the code) fails in
+    # 30 s, not aiohttp's 5 minutes.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         for _ in range(count):
             started = time.perf_counter()
             headers = {"Authorization": f"Bearer {key}", "X-Phases-Sent": repr(started)}
@@ -213,52 +216,55 @@ def main() -> int:
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     tokens = sys.argv[2] if len(sys.argv) > 2 else "256"
     workdir = Path(tempfile.mkdtemp(prefix="q38ph-", dir="/tmp"))
-    out = workdir / "phases.json"
-    sim = start_sim(workdir, "--tokens-per-second", "0", "--completion-tokens", tokens)
-    config = {**BENCH_CONFIG, "engine": {**BENCH_CONFIG["engine"], "max_concurrency": 1}}
-    os.environ["PHASES_OUT"] = str(out)
-    gw = start_gateway(workdir, sim, config)
-    # start_gateway runs ``-m gateway serve``; run this wrapper instead, same config.
-    gw.proc.send_signal(signal.SIGTERM)
-    gw.proc.wait(15)
-    import subprocess
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.perf.phases", "serve", "--config", str(gw.config_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "PHASES_OUT": str(out)},
-    )
     try:
-        import httpx
+        out = workdir / "phases.json"
+        sim = start_sim(workdir, "--tokens-per-second", "0", "--completion-tokens", tokens)
+        config = {**BENCH_CONFIG, "engine": {**BENCH_CONFIG["engine"], "max_concurrency": 1}}
+        os.environ["PHASES_OUT"] = str(out)
+        gw = start_gateway(workdir, sim, config)
+        # start_gateway runs ``-m gateway serve``; run this wrapper instead, same config.
+        gw.proc.send_signal(signal.SIGTERM)
+        gw.proc.wait(15)
+        import subprocess
 
-        from tests.conftest import wait_until
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.perf.phases", "serve", "--config", str(gw.config_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PHASES_OUT": str(out)},
+        )
+        try:
+            import httpx
 
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError("the timed gateway exited")
-            try:
-                return httpx.get(gw.url("/ready"), timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
+            from tests.conftest import wait_until
 
-        assert wait_until(ready, 30), "the timed gateway did not become ready"
-        ttfts = asyncio.run(_drive(gw.base_url, KEY_A, request_body(int(tokens)), count))
+            def ready() -> bool:
+                if proc.poll() is not None:
+                    raise RuntimeError("the timed gateway exited")
+                try:
+                    return httpx.get(gw.url("/ready"), timeout=1).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            assert wait_until(ready, 30), "the timed gateway did not become ready"
+            ttfts = asyncio.run(_drive(gw.base_url, KEY_A, request_body(int(tokens)), count))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            sim.stop()
+        records = json.loads(out.read_text())
+        skip = min(20, len(records) // 10)
+        table = summarise(records, skip)
+        load = os.getloadavg()
+        print(f"# phases at c=1, {len(records) - skip} requests, load {load[0]:.1f}")
+        print("| phase | median µs | p90 µs |")
+        print("| --- | --- | --- |")
+        for name, (p50, p90) in table.items():
+            print(f"| {name} | {p50:.0f} | {p90:.0f} |")
+        ttfts.sort()
+        print(f"| client TTFT | {statistics.median(ttfts[skip:]) * 1e6:.0f} | - |")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        sim.stop()
-    records = json.loads(out.read_text())
-    skip = min(20, len(records) // 10)
-    table = summarise(records, skip)
-    load = os.getloadavg()
-    print(f"# phases at c=1, {len(records) - skip} requests, load {load[0]:.1f}")
-    print("| phase | median µs | p90 µs |")
-    print("| --- | --- | --- |")
-    for name, (p50, p90) in table.items():
-        print(f"| {name} | {p50:.0f} | {p90:.0f} |")
-    ttfts.sort()
-    print(f"| client TTFT | {statistics.median(ttfts[skip:]) * 1e6:.0f} | - |")
+        shutil.rmtree(workdir, ignore_errors=True)  # its logs, ledger, keys and records
     return 0
 
 
