@@ -36,12 +36,16 @@ class Drain:
             served for ``server.drain_delay_s``.
         draining: True from `begin` on: new model requests are refused.
         expired: True from `expire` on: requests still open are being ended.
+        forced: True from `force` on: a second signal, the process exits at once; requests
+            still open are cut without an answer's end (logged ``reason="shutdown"``, not as
+            clients that left).
     """
 
     def __init__(self) -> None:
         self.announced = False
         self.draining = False
         self.expired = False
+        self.forced = False
         self.began_at: float | None = None
         self._tasks: set[asyncio.Task[object]] = set()
 
@@ -87,6 +91,10 @@ class Drain:
         if not self.draining:
             self.draining = True
             self.began_at = time.monotonic()
+
+    def force(self) -> None:
+        """A second signal: the process exits now, cutting what is still open."""
+        self.forced = True
 
     def expire(self) -> int:
         """The grace is over: cancel every tracked request (they end with `error`); returns how many."""

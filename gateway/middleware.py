@@ -128,7 +128,8 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
     except asyncio.CancelledError:
         if not context.status:  # a status already sent stands (the client left after it)
             context.status = 499
-            context.reason = context.reason or "client_disconnect"
+            gone = "shutdown" if app[DRAIN].forced else "client_disconnect"
+            context.reason = context.reason or gone
         raise
     finally:
         finish_request(request, context)

@@ -373,7 +373,8 @@ async def call_engine(
         return await _call_engine(request, call, stream, queued_budget, heartbeat)
     except asyncio.CancelledError:
         cut: GatewayError
-        if request.app[DRAIN].cut_by_shutdown():
+        drain = request.app[DRAIN]
+        if drain.cut_by_shutdown():
             cut = Drain.error()
         elif timed_out:
             cut = GatewayTimeout(
@@ -381,6 +382,9 @@ async def call_engine(
                 "(engine.request_timeout_s or engine.min_tokens_per_s)."
             )
             request.app[UPSTREAM].count(cut.kind)
+        elif drain.forced:
+            call.context.reason = "shutdown"  # the second signal: the process exits now
+            raise
         else:
             client_gone(request, call)
             raise

@@ -126,7 +126,7 @@ async def serve(settings: Settings, config_path: str | None) -> int:
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
         await stop.wait()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, _force_exit)
+            loop.add_signal_handler(sig, _force_exit, drain)
         drain.announce()
         delay = app[LIVE].current.settings.server.drain_delay_s  # a reload may have changed it
         if delay > 0:
@@ -183,6 +183,8 @@ async def _drain(
     log.info("gateway_drained", queued_refused=refused, cut_by_shutdown=cut)
 
 
-def _force_exit() -> None:
-    log.warning("gateway_forced_exit")
+def _force_exit(drain: Drain) -> None:
+    """The second SIGTERM/SIGINT: exit at once; the requests still open are cut (`Drain.force`)."""
+    log.warning("gateway_forced_exit", open_requests=drain.open_requests)
+    drain.force()
     sys.exit(1)

@@ -370,6 +370,56 @@ def test_c21_open_streams_end_with_an_error_event_at_the_grace(
     assert not [e for e in lines if e.get("reason") == "client_disconnect"]
 
 
+def test_c21_a_second_signal_exits_at_once_and_logs_the_cut_streams_as_shutdown(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """C21: a second SIGTERM during the drain exits at once (no grace); the stream still open
+    and the request still queued are logged ``reason="shutdown"``, not as clients that left;
+    the forced exit is logged."""
+    grace = 30.0
+    gw = gateway_factory(
+        sim_factory(),
+        {
+            "server": {"shutdown_grace_s": grace, "drain_delay_s": 5.0},
+            "engine": {"max_concurrency": 1},
+        },
+    )
+    slow = chat({"tokens_per_second": 4, "completion_tokens": 400}, stream=True)
+    started = threading.Event()
+    ended = threading.Event()
+
+    def stream(payload: dict[str, Any], seen: threading.Event | None) -> None:
+        try:
+            with httpx.stream(
+                "POST", gw.url("/v1/chat/completions"), json=payload, headers=AUTH, timeout=30
+            ) as r:
+                for _ in r.iter_raw():
+                    if seen is not None:
+                        seen.set()
+        except httpx.HTTPError:
+            pass
+        ended.set()
+
+    running = threading.Thread(target=stream, args=(slow, started))
+    running.start()
+    assert started.wait(10) and wait_until(lambda: in_flight(gw) == 1, 10)
+    queued = threading.Thread(target=stream, args=(chat(stream=True), None))
+    queued.start()
+    assert wait_until(lambda: queue_depth(gw) == 1, 10)
+    gw.proc.send_signal(signal.SIGTERM)  # the drain's announced delay: both still served
+    time.sleep(0.5)
+    signalled = time.monotonic()
+    gw.proc.send_signal(signal.SIGTERM)
+    gw.proc.wait(5)
+    assert time.monotonic() - signalled < 3.0, "the second signal did not exit at once"
+    running.join(10)
+    queued.join(10)
+    lines = [e for e in gw.access_logs() if e.get("route") == "/v1/chat/completions"]
+    assert len(lines) == 2, lines
+    assert [e.get("reason") for e in lines] == ["shutdown", "shutdown"], lines
+    assert any(e.get("event") == "gateway_forced_exit" for e in gw.logs())
+
+
 # ---------------------------------------------------------------------------- 100 Continue
 
 
