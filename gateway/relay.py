@@ -94,6 +94,11 @@ HEADERS_HOLD_S = 0.02
 packet, one wake-up of the client, instead of two): after that they go alone."""
 
 
+AFTER_DONE_S = 1.0
+"""Seconds a stream waits, after the engine's ``data: [DONE]``, for the end of the engine's body
+before it ends the client's stream without it (vLLM sends both in the same moment)."""
+
+
 _HEADERS_ALLOWANCE = 4096
 """Bytes counted for a stream's held headers (its status line and SSE and rate-limit headers
 take under 1 KiB) when deciding whether its last bytes can be left to aiohttp's end."""
@@ -431,6 +436,15 @@ async def relay_stream(
                         last = last + out if last else out
                         continue
                     await stream.send(out)
+                if state.done and not answer.buffered:
+                    # The answer is whole at [DONE]; vLLM ends its body right after it. An
+                    # engine (or a proxy before it) that keeps the body open is waited for
+                    # `AFTER_DONE_S`, not its read timeout: the connection is then closed
+                    # instead of reused (`UpstreamAnswer.release` of an unfinished body).
+                    more = await answer.read_within(AFTER_DONE_S)
+                    if more is None:
+                        break
+                    answer.unread(more)
                 elif stream.headers_held and not answer.buffered:
                     # Nothing to send yet (the first event comes in pieces, or the dialect
                     # shows none for it): the headers wait for the next read only what is left

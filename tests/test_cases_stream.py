@@ -406,6 +406,43 @@ def test_an_engine_gone_right_after_its_done_still_ends_the_stream_whole(
     assert gw.metric("gateway_requests_in_flight") == 0
 
 
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_an_engine_slow_to_end_its_body_after_done_does_not_hold_the_stream(
+    gateway_factory: Any, sim_factory: Any, api: str
+) -> None:
+    """An engine (or a proxy before it) that keeps its body open after ``[DONE]``: the answer is
+    whole, so the client's stream ends about `gateway.relay.AFTER_DONE_S` later, not when the
+    engine ends its body or its read timeout fires; it is whole and logged 200 with the engine's
+    usage, and the next request is served (on a new engine connection)."""
+    hold = 6.0
+    gw = gateway_factory(
+        sim_factory("--hold-after-done-s", str(hold), "--completion-tokens", "4"),
+        {"engine": {"read_timeout_s": 30.0}},
+    )
+    if api == "chat":
+        path, headers = "/v1/chat/completions", AUTH
+        body = {**chat(), "stream": True, "stream_options": {"include_usage": True}}
+        end = b"data: [DONE]\n\n"
+    else:
+        path, headers = "/v1/messages", {"x-api-key": KEY_A, "anthropic-version": "2023-06-01"}
+        body = {**chat(), "max_tokens": 16, "stream": True}
+        end = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    started = time.monotonic()
+    with httpx.stream("POST", gw.url(path), json=body, headers=headers, timeout=30) as r:
+        raw = b"".join(r.iter_raw())
+    took = time.monotonic() - started
+    assert raw.endswith(end), raw[-300:]
+    assert b"error" not in raw
+    assert took < hold - 2.0, f"the stream ended {took:.1f} s after it started"
+    assert gw.read_through(KEY_A, {**chat(), "stream": True}, 30) == 200
+    lines = [e for e in gw.access_logs() if e["route"] != "/ready"]
+    assert [(e["status"], e.get("error_status"), e.get("reason")) for e in lines] == [
+        (200, None, None)
+    ] * 2
+    assert lines[0]["completion_tokens"] == 4 and lines[0].get("usage_source") is None
+    assert gw.metric("gateway_requests_in_flight") == 0
+
+
 # ----------------------------------------------------------------------------------------- C20
 
 

@@ -843,6 +843,24 @@ async def test_drop_after_done(client: aiohttp.ClientSession) -> None:
     assert chunks(received)[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_hold_after_done(client: aiohttp.ClientSession) -> None:
+    """hold_after_done_s sends the whole answer, [DONE] included, at once, and the body's end
+    only that long after."""
+    body = chat(sim={"hold_after_done_s": 1.0, "completion_tokens": 3}, stream=True)
+    received = b""
+    done_at = None
+    async with client.post(BASE + CHAT, json=body) as r:
+        started = time.monotonic()
+        async for data in r.content.iter_any():
+            received += data
+            if done_at is None and received.endswith(b"data: [DONE]\n\n"):
+                done_at = time.monotonic()
+    ended = time.monotonic()
+    assert done_at is not None and done_at - started < 0.5
+    assert 0.9 <= ended - done_at < 2.0
+    assert chunks(received)[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 async def test_c06_drop_after_tokens(client: aiohttp.ClientSession, sim: SimProcess) -> None:
     """C06b: drop_after closes the connection mid-body after N tokens; recorded as an error."""
     request_id = rid()

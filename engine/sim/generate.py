@@ -388,6 +388,8 @@ async def stream_answer(
         if behaviour.drop_after_done:
             close_connection(request)  # what was written goes out; the body's end never does
             return response
+        if behaviour.hold_after_done_s:
+            await asyncio.sleep(behaviour.hold_after_done_s)  # the body's end comes after this
     except ConnectionError:
         trace.outcome = "aborted"
     finally:

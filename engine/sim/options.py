@@ -132,6 +132,14 @@ class Behaviour:
             "0-size chunk): an engine that died just after its answer"
         ),
     )
+    hold_after_done_s: float = field(
+        default=0.0,
+        metadata=_opt(
+            "after data: [DONE], keep the body open this long before its end (the 0-size "
+            "chunk): an engine or proxy that is slow to end a finished answer",
+            0,
+        ),
+    )
     stall_after: int | None = field(
         default=None,
         metadata=_opt(
