@@ -5,8 +5,9 @@ an unparseable request (bad request line, header, chunked encoding: `GatewayRequ
 handle_error`), an ``Expect`` header other than ``100-continue`` on a route without an
 ``expect_handler`` (a 417 quoting the header, or a 500 when the header holds a byte UTF-8
 cannot carry), and anything raised while routing. Here every such answer becomes a JSON error
-in the route's API shape (OpenAI's, or Anthropic's under ``/v1/messages``; OpenAI's when the
-request could not be parsed far enough to have a route), with ``x-request-id``, logged once as
+in the route's API shape (OpenAI's, or Anthropic's under ``/v1/messages``; for a request the
+parser refused, the path of its request line as last received decides; OpenAI's when not even
+that can be read), with ``x-request-id``, logged once as
 an access line, and never quoting the request. Input that no text codec accepts (a lone
 surrogate in a URL, a header or a quoted value: `UnicodeError`) is a 400, never a 500 (C28).
 
@@ -17,6 +18,7 @@ around the router and the middlewares).
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -63,14 +65,16 @@ def error_for(exc: BaseException | None, status: int) -> GatewayError:
     return error
 
 
-def _dialect(app: web.Application | None, request: BaseRequest) -> Dialect:
-    """The API of the request's path (the longest model-route prefix), else OpenAI's."""
+def _dialect(app: web.Application | None, request: BaseRequest, path: str | None = None) -> Dialect:
+    """The API of the request's path, or of ``path`` when given (the longest model-route
+    prefix), else OpenAI's."""
     if app is None or DIALECTS not in app:
         return CHAT
-    try:
-        path = request.path
-    except Exception:  # a path yarl could not decode: no route to speak for
-        return CHAT
+    if path is None:
+        try:
+            path = request.path
+        except Exception:  # a path yarl could not decode: no route to speak for
+            return CHAT
     dialects = app[DIALECTS]
     prefixes = [t for t in dialects if path == t or path.startswith(t + "/")]
     return dialects[max(prefixes, key=len)] if prefixes else CHAT
@@ -89,10 +93,12 @@ def error_response(
     error: GatewayError,
     reason: str,
     cause: BaseException | None = None,
+    path: str | None = None,
 ) -> web.Response:
-    """``error`` in the request's API shape, with ``x-request-id``; logged as one access line
-    and counted (tenant ``unknown``, route ``other``: no middleware ran for it)."""
-    dialect = _dialect(app, request)
+    """``error`` in the request's API shape (of ``path`` when given: a request aiohttp could not
+    parse has none of its own), with ``x-request-id``; logged as one access line and counted
+    (tenant ``unknown``, route ``other``: no middleware ran for it)."""
+    dialect = _dialect(app, request, path)
     error = dialect.adapt_error(error)
     request_id = _request_id(request)
     headers = dict(error.headers)
@@ -143,6 +149,19 @@ def guard(app: web.Application, handler: RawHandler) -> RawHandler:
     return guarded
 
 
+_REQUEST_LINE_RE = re.compile(rb"(?:^|\n)[A-Z]{3,7} (/[\x21-\x7e]{0,255}) HTTP/1\.[01]\r?\n")
+
+
+_KEPT_BYTES = 4096
+
+
+def request_line_path(data: bytes) -> str | None:
+    """The path (query cut off) of the last HTTP/1.x request line in ``data``, or None; only
+    used to choose an error's API shape, never echoed."""
+    paths = _REQUEST_LINE_RE.findall(data)
+    return paths[-1].split(b"?", 1)[0].decode("ascii") if paths else None
+
+
 class GatewayRequestHandler(RequestHandler):
     """aiohttp's connection handler, answering unparseable requests in the gateway's envelope.
 
@@ -150,6 +169,15 @@ class GatewayRequestHandler(RequestHandler):
     offending header, which may hold a credential; this one names no input, and logs one line
     without a traceback (clients on the public port can send garbage at will).
     """
+
+    _received = b""
+
+    def data_received(self, data: bytes) -> None:
+        """aiohttp's, keeping the start of the read for `handle_error`: a request aiohttp
+        cannot parse reaches it without its path, which its request line in this read still
+        names (4 KiB at most is kept: an idle connection holds no more of its last body)."""
+        self._received = data if len(data) <= _KEPT_BYTES else data[:_KEPT_BYTES]
+        super().data_received(data)
 
     def handle_error(
         self,
@@ -161,7 +189,12 @@ class GatewayRequestHandler(RequestHandler):
         if request.writer.output_size > 0:
             return super().handle_error(request, status, exc, None)  # raises ConnectionError
         app = getattr(self._manager, "gateway_app", None)
-        return error_response(app, request, error_for(exc, status), "malformed_http", exc)
+        path = None
+        if request.method == "UNKNOWN":  # aiohttp's stand-in for a request it could not parse
+            path = request_line_path(self._received)
+        self._received = b""
+        error = error_for(exc, status)
+        return error_response(app, request, error, "malformed_http", exc, path)
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         """aiohttp's log of an exception on a connection, quieter for a request body at fault.

@@ -474,6 +474,7 @@ async def relay_stream(
         if state.error is not None:
             answer.reported_error()
             context.reason = "stream_error"
+            context.error_status = engine_event_status(state.error)
         if failure is not None:
             if last:
                 await stream.send(last)
@@ -485,6 +486,16 @@ async def relay_stream(
         return stream.gone(isinstance(exc, ClientStalled))
     finally:
         call.usage.record_stream(state.usage, state.running, state.content_events)
+
+
+def engine_event_status(error: Mapping[str, object]) -> int:
+    """The status an engine's in-stream error event stands for, for the access line's
+    ``error_status``: its ``code`` when that is an HTTP error status (vLLM's `ErrorResponse`
+    puts the status there, e.g. 500), else 502 (the engine failed)."""
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    return 502
 
 
 async def _first_read(

@@ -328,13 +328,15 @@ async def test_stream_cut_by_the_engine_ends_with_one_error_event(
 async def test_stream_error_event_from_the_engine_is_relayed_and_counted(
     stack: Stack, logs: list[MutableMapping[str, Any]]
 ) -> None:
-    """vLLM's in-stream error event reaches the client as sent, counted as ``stream_error``."""
+    """vLLM's in-stream error event reaches the client as sent, counted as ``stream_error``; the
+    access line keeps the 200 sent and gives the event's status as ``error_status``."""
     body = chat_body(stream=True, sim={"completion_tokens": 20, "error_after": 3})
     r = await stack.client.post(CHAT, json=body, headers=AUTH_A)
     data = sse_data(await r.read())
     assert any("error" in json.loads(d) for d in data if d != "[DONE]")
     assert await until(lambda: bool(access(logs)))
-    assert access(logs)[-1]["reason"] == "stream_error"
+    line = access(logs)[-1]
+    assert (line["status"], line["reason"], line["error_status"]) == (200, "stream_error", 500)
     assert sample(stack, "gateway_upstream_errors_total", kind="stream_error") == 1
 
 

@@ -173,6 +173,43 @@ def test_c28_malformed_http_is_answered_in_json_with_a_request_id(
     assert KEY_A.encode() not in answer
 
 
+_UNPARSEABLE = {
+    "control byte in a header value": b"X-Note: a\x7fb\r\n",
+    "header line without a colon": b"X-Note\r\n",
+    "Content-Length not a number": b"Content-Length: abc\r\n",
+    "Transfer-Encoding and Content-Length": b"Transfer-Encoding: chunked\r\n",
+}
+
+
+@pytest.mark.parametrize("fault", sorted(_UNPARSEABLE))
+@pytest.mark.parametrize(
+    "path", ["/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions"]
+)
+def test_c28_a_request_the_server_cannot_parse_gets_its_routes_error_shape(
+    fuzzed: Gateway, fault: str, path: str
+) -> None:
+    """A request aiohttp's parser refuses before any route is matched is still answered in its
+    path's API shape: Anthropic's under ``/v1/messages``, OpenAI's elsewhere; 400, JSON, with
+    ``x-request-id``, quoting nothing of the request."""
+    length = b"" if fault == "Content-Length not a number" else b"Content-Length: 2\r\n"
+    raw = (
+        f"POST {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n".encode()
+        + f"x-api-key: {KEY_A}\r\nContent-Type: application/json\r\n".encode()
+        + _UNPARSEABLE[fault] + length + b"\r\n{}"
+    )  # fmt: skip
+    answer = _exchange(fuzzed.base_url, raw)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head[9:12] == b"400", answer[:300]
+    assert b"\r\nx-request-id:" in head.lower(), head
+    payload = json.loads(body)
+    if path.startswith("/v1/messages"):
+        assert payload["type"] == "error", payload
+        assert payload["error"]["type"] == "invalid_request_error", payload
+    else:
+        assert payload["error"]["code"] == "invalid_request", payload
+    assert KEY_A.encode() not in answer and b"X-Note" not in answer
+
+
 def test_c28_fuzz_left_no_traceback_and_nothing_held(fuzzed: Gateway) -> None:
     """After the fuzz: no 5xx in the access log, no traceback or error-level line, nothing in flight or queued."""
     ready = httpx.get(fuzzed.url("/ready"), timeout=5).json()
