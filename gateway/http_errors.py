@@ -150,9 +150,8 @@ def guard(app: web.Application, handler: RawHandler) -> RawHandler:
 
 
 _REQUEST_LINE_RE = re.compile(rb"(?:^|\n)[A-Z]{3,7} (/[\x21-\x7e]{0,255}) HTTP/1\.[01]\r?\n")
-
-
 _KEPT_BYTES = 4096
+"""Bytes of a connection's last read kept for `request_line_path` (its request line, headers)."""
 
 
 def request_line_path(data: bytes) -> str | None:
