@@ -436,22 +436,22 @@ async def relay_stream(
                         last = last + out if last else out
                         continue
                     await stream.send(out)
-                if state.done and not answer.buffered:
-                    # The answer is whole at [DONE]; vLLM ends its body right after it. An
-                    # engine (or a proxy before it) that keeps the body open is waited for
-                    # `AFTER_DONE_S`, not its read timeout: the connection is then closed
-                    # instead of reused (`UpstreamAnswer.release` of an unfinished body).
-                    more = await answer.read_within(AFTER_DONE_S)
-                    if more is None:
-                        break
-                    answer.unread(more)
-                elif stream.headers_held and not answer.buffered:
+                elif stream.headers_held and not state.done and not answer.buffered:
                     # Nothing to send yet (the first event comes in pieces, or the dialect
                     # shows none for it): the headers wait for the next read only what is left
                     # of their hold.
                     more = await _first_read(
                         answer, stream, held_until - loop.time(), heartbeat, keepalive
                     )
+                    if more is None:
+                        break
+                    answer.unread(more)
+                if state.done and not answer.buffered:
+                    # The answer is whole at [DONE]; vLLM ends its body right after it. An
+                    # engine (or a proxy before it) that keeps the body open is waited for
+                    # `AFTER_DONE_S`, not its read timeout: the connection is then closed
+                    # instead of reused (`UpstreamAnswer.release` of an unfinished body).
+                    more = await answer.read_within(AFTER_DONE_S)
                     if more is None:
                         break
                     answer.unread(more)
