@@ -71,6 +71,8 @@ async def read_body(
             if received is not None:
                 received(size)
             chunks.append(chunk)
+            if content.at_eof():  # read whole (the usual body, in one read): no further call
+                break
     except BaseException:
         # A refused body's traceback holds this frame until the cycle collector runs: the
         # bytes read so far go now, as the hold that counted them does.

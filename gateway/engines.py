@@ -114,16 +114,26 @@ class Engines:
         return self.upstream(prefer)
 
     async def post(
-        self, name: str | None, path: str, body: bytes, request_id: str, *, stream: bool
+        self,
+        name: str | None,
+        path: str,
+        body: bytes,
+        request_id: str,
+        *,
+        stream: bool,
+        sent: Callable[[], None] | None = None,
     ) -> UpstreamAnswer:
         """POST to engine ``name``: with several engines the wait for the first byte ends when
         the engine fails meanwhile (`gateway.failover.Rotation.post`), and an answer from a
         stalled engine puts it back in rotation at once (a one-slot engine whose ``/health``
-        lagged behind a non-streamed request sends nothing until it is done)."""
+        lagged behind a non-streamed request sends nothing until it is done). ``sent``: see
+        `Upstream.post`."""
         upstream = self.upstream(name)
         if len(self.specs) < 2:
-            return await upstream.post(path, body, request_id, stream=stream)
-        answer = await self.rotation.post(upstream, path, body, request_id, stream=stream)
+            return await upstream.post(path, body, request_id, stream=stream, sent=sent)
+        answer = await self.rotation.post(
+            upstream, path, body, request_id, stream=stream, sent=sent
+        )
         self.rotation.set(upstream.name, True, None)
         return answer
 

@@ -91,7 +91,14 @@ class Rotation:
         return waiting
 
     async def post(
-        self, upstream: Upstream, path: str, body: bytes, request_id: str, *, stream: bool
+        self,
+        upstream: Upstream,
+        path: str,
+        body: bytes,
+        request_id: str,
+        *,
+        stream: bool,
+        sent: Callable[[], None] | None = None,
     ) -> UpstreamAnswer:
         """`Upstream.post`, given up when the engine fails before the answer's first byte.
 
@@ -105,7 +112,9 @@ class Rotation:
         held: list[EngineConnection] = []
         sending = SENDING.set(held)
         try:
-            task = asyncio.ensure_future(upstream.post(path, body, request_id, stream=stream))
+            task = asyncio.ensure_future(
+                upstream.post(path, body, request_id, stream=stream, sent=sent)
+            )
         finally:
             SENDING.reset(sending)
         try:

@@ -455,6 +455,7 @@ async def _call_engine(
                 call.plan.body,
                 call.engine_request_id,
                 stream=call.plan.stream,
+                sent=stream.make if stream is not None else None,
             )
             break
         except asyncio.CancelledError:

@@ -19,7 +19,7 @@ import struct
 import termios
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from socket import AF_UNIX
 from typing import Any
 
@@ -158,7 +158,13 @@ class Upstream:
             log.warning("upstream_error", kind=kind, error=detail)
 
     async def post(
-        self, path: str, body: bytes, request_id: str, *, stream: bool = True
+        self,
+        path: str,
+        body: bytes,
+        request_id: str,
+        *,
+        stream: bool = True,
+        sent: Callable[[], None] | None = None,
     ) -> UpstreamAnswer:
         """POST a JSON body; return the answer with its headers read and its body unread.
 
@@ -167,7 +173,9 @@ class Upstream:
         followed by one ``/health`` probe: an engine that refuses it or answers non-200 died
         (its pooled connections die with it), which is reported as unreachable so that a
         queued request can wait for the engine's return instead of failing; a probe that only
-        times out proves nothing (`proves_down`) and the drop is a disconnect.
+        times out proves nothing (`proves_down`) and the drop is a disconnect. ``sent`` is
+        called once the request is written, before the wait for the engine's headers: work
+        that then runs while the engine works rather than after its answer.
 
         Raises:
             EngineUnreachable: the socket refuses or does not exist (engine down or loading),
@@ -196,6 +204,8 @@ class Upstream:
             held.append(connection)
         try:
             connection.send(head, body)
+            if sent is not None:
+                sent()
             await connection.read_head(timeout)
         except asyncio.TimeoutError as exc:
             self.pool.release(connection)
