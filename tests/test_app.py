@@ -263,6 +263,30 @@ async def test_engine_503_is_503_and_counted(stack: Stack) -> None:
     assert sample(stack, "gateway_upstream_errors_total", kind="status_5xx") == 1
 
 
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [({"chat_template": "x"}, 400), ({"sim": {"refuse": "503"}}, 503)],
+    ids=["engine_400", "engine_503"],
+)
+async def test_a_stream_the_engine_refuses_is_a_json_error_then_streams_work(
+    stack: Stack, fields: dict[str, Any], status: int
+) -> None:
+    """A streamed request the engine refuses gets the engine's status as a JSON error with the
+    request id and the rate-limit headers, no SSE headers (the stream's response, made while the
+    engine worked, is never sent), and the next stream on the same client is whole."""
+    r = await stack.client.post(CHAT, json=chat_body(stream=True, **fields), headers=AUTH_A)
+    assert r.status == status
+    assert r.headers["Content-Type"].startswith("application/json")
+    assert "X-Accel-Buffering" not in r.headers and r.headers["x-request-id"]
+    assert "x-ratelimit-remaining-requests" in r.headers
+    assert (await r.json())["error"]["message"]
+    r = await stack.client.post(CHAT, json=chat_body(stream=True, max_tokens=4), headers=AUTH_A)
+    text = await r.text()
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    assert text.rstrip().endswith("data: [DONE]") and '"content"' in text
+    assert stack.app[ADMISSION].in_flight == 0
+
+
 async def test_engine_closing_the_connection_is_502_disconnect(stack: Stack) -> None:
     """An engine that closes the connection without answering (and is still up) is 502,
     counted as ``disconnect``; it is never retried."""
