@@ -13,15 +13,58 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
-from aiohttp import web
+from aiohttp import compression_utils, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedContentEncoding,
+)
 from gateway.secret_scan import OwnCredential
 from gateway.validate import MAX_INT_DIGITS, find_unsendable
 
 log = structlog.get_logger("gateway")
+
+DECODED_CODINGS: tuple[str, ...] = (
+    "gzip",
+    "deflate",
+    *(("br",) if compression_utils.HAS_BROTLI else ()),
+    *(("zstd",) if getattr(compression_utils, "HAS_ZSTD", False) else ()),
+)
+"""The request ``Content-Encoding`` values aiohttp's server undoes before the body is read (one
+coding; it reads any other value, a list included, as the bytes they are)."""
+
+
+def check_content_encoding(request: web.BaseRequest) -> None:
+    """Refuse a body whose ``Content-Encoding`` would not be undone: anything but none,
+    ``identity`` or one of `DECODED_CODINGS` (case-insensitive).
+
+    Raises:
+        UnsupportedContentEncoding: 415 with ``Accept-Encoding`` naming `DECODED_CODINGS`; the
+            value is never quoted (a client value, C29).
+    """
+    coding = request.headers.get("Content-Encoding")
+    if coding is None:
+        return
+    coding = coding.strip().lower()
+    if coding in ("", "identity") or coding in DECODED_CODINGS:
+        return
+    raise unsupported_content_encoding()
+
+
+def unsupported_content_encoding() -> UnsupportedContentEncoding:
+    """The 415 of a body in a ``Content-Encoding`` not undone (see `check_content_encoding`;
+    aiohttp's parser refuses ``br`` or ``zstd`` itself when their library is missing)."""
+    accepted = ", ".join(DECODED_CODINGS)
+    return UnsupportedContentEncoding(
+        f"The request body's Content-Encoding is not supported: send it as is, or with one "
+        f"of {accepted}.",
+        headers={"Accept-Encoding": accepted, "Connection": "close"},
+    )
 
 
 async def read_body(
@@ -36,11 +79,14 @@ async def read_body(
     undone) each time a read adds to them, before they are kept; what it raises ends the read.
 
     Raises:
+        UnsupportedContentEncoding: a ``Content-Encoding`` that is not undone
+            (`check_content_encoding`), before any byte is read.
         PayloadTooLarge: ``Content-Length`` or the bytes received exceed ``limit`` (after any
             ``Content-Encoding`` is undone, so a compression bomb stops at the limit too).
         RequestTimeout: no byte arrived for ``idle_timeout`` seconds.
         BadRequest: the body does not match its ``Content-Encoding``.
     """
+    check_content_encoding(request)
     too_large = PayloadTooLarge(f"Request body too large: the limit is {limit} bytes.")
     if request.content_length is not None and request.content_length > limit:
         raise too_large

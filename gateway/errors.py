@@ -292,6 +292,17 @@ class RequestTimeout(ClientError):
     reason = "body_timeout"
 
 
+class UnsupportedContentEncoding(ClientError):
+    """415: the body's ``Content-Encoding`` is not one the gateway undoes; ``Accept-Encoding``
+    names those it does (RFC 9110 section 15.5.16). Read as they are, such bytes would be
+    answered as malformed JSON at best, or parsed as a body the client never meant."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
+    reason = "bad_request"
+
+
 class PayloadTooLarge(ClientError):
     """413: the body exceeds ``server.max_body_bytes``; it was read no further than the limit."""
 

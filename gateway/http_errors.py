@@ -26,9 +26,11 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
+from gateway.body import unsupported_content_encoding
 from gateway.config import UNKNOWN_TENANT
 from gateway.dialects import CHAT, Dialect
 from gateway.errors import BadRequest, GatewayError, HttpError, MethodNotAllowed, NotFound
@@ -49,6 +51,10 @@ def error_for(exc: BaseException | None, status: int) -> GatewayError:
     """
     if isinstance(exc, UnicodeError):
         return BadRequest("The request holds text that is not valid UTF-8.")
+    if isinstance(exc, ContentEncodingError):
+        # Raised by the parser for a coding it knows but cannot undo here (``br``, ``zstd``
+        # without their library); a body that fails its coding fails in `read_body` instead.
+        return unsupported_content_encoding()
     if isinstance(exc, web.HTTPException):
         status = exc.status
     if status == 400:

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 from aiohttp import HttpVersion11, web
 
+from gateway.body import check_content_encoding
 from gateway.dialects import CHAT, Dialect
 from gateway.errors import GatewayError, HttpError, InvalidApiKey, MethodNotAllowed, NotFound
 from gateway.http_errors import error_for
@@ -322,9 +323,10 @@ async def expect_continue(request: web.Request) -> None:
     will be accepted (RFC 9110 section 10.1.1).
 
     A client that sends ``Expect: 100-continue`` waits for it before uploading the body, so a
-    missing or bad credential, a ``Content-Length`` over ``server.max_body_bytes`` or a gateway
-    that is draining are answered (401, 413, 503, by the usual middlewares and handler, logged
-    once) without the body ever being sent. Any other expectation is ignored rather than
+    missing or bad credential, a ``Content-Length`` over ``server.max_body_bytes``, a
+    ``Content-Encoding`` the gateway does not undo or a gateway that is draining are answered
+    (401, 413, 415, 503, by the usual middlewares and handler, logged once) without the body
+    ever being sent. Any other expectation is ignored rather than
     answered with aiohttp's 417 page, which quotes the header.
     """
     if request.version != HttpVersion11:
@@ -337,6 +339,10 @@ async def expect_continue(request: web.Request) -> None:
     if request.content_length is not None and request.content_length > limit:
         return
     if app[DRAIN].draining:
+        return
+    try:
+        check_content_encoding(request)
+    except GatewayError:
         return
     template, _ = _route(request)
     dialect = _dialect(app, request, template) or CHAT

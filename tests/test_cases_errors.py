@@ -10,6 +10,7 @@ C28 is `tests/test_fuzz_dialects.py`.
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
 import socket
@@ -217,6 +218,43 @@ def test_c28_a_body_that_fails_its_content_encoding_is_one_400_and_one_line(
     after = gw.logs()[before:]
     assert [e["status"] for e in after if e.get("event") == "request"] == [400]
     assert not [e for e in after if e.get("level") == "error" or "exception" in e], after
+
+
+@pytest.mark.parametrize("dialect", ["chat", "messages", "responses"])
+@pytest.mark.parametrize("coding", ["br", "zstd", "compress", "x-gzip", "gzip, gzip", "aes128gcm"])
+def test_c28_a_body_in_a_coding_not_undone_is_a_415_naming_those_that_are(
+    gw: Gateway, dialect: str, coding: str
+) -> None:
+    """A ``Content-Encoding`` the gateway does not undo (unknown, a list, or one aiohttp knows but
+    lacks the library for) is a 415 in the route's shape with ``Accept-Encoding`` (RFC 9110
+    section 15.5.16), before the engine is asked and before any byte is charged: its bytes are
+    never read as the JSON they are not. One access line; the same body gzipped is served."""
+    body = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}[dialect]
+    raw = json.dumps(body).encode()
+    calls = engine_calls(gw)
+    r = send(gw, dialect, raw, **{"Content-Encoding": coding})
+    assert r.status_code == 415, r.text[:300]
+    assert "Content-Encoding" in error_message(dialect, r) and coding not in r.text
+    assert set(r.headers["Accept-Encoding"].split(", ")) >= {"gzip", "deflate"}
+    assert engine_calls(gw) == calls
+    lines = [e for e in gw.access_logs() if e.get("request_id") == r.headers["x-request-id"]]
+    assert [e["status"] for e in lines] == [415]
+    r = send(gw, dialect, gzip.compress(raw), **{"Content-Encoding": "GZip"})
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_c28_a_coding_not_undone_is_refused_before_the_body_is_sent(gw: Gateway) -> None:
+    """With ``Expect: 100-continue``, a body in a coding the gateway does not undo is answered
+    415 without ``100 Continue``: the client never uploads it."""
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY_A}\r\n".encode()
+        + b"Content-Encoding: br\r\nContent-Length: 10\r\nExpect: 100-continue\r\n"
+        + b"Connection: close\r\n\r\n"
+    )
+    status, headers, body = raw_exchange(gw.base_url, request)
+    assert status == 415 and headers["accept-encoding"].startswith("gzip")
+    assert json.loads(body)["error"]["code"] == "unsupported_content_encoding"
 
 
 def test_c28_an_expectation_nobody_meets_is_ignored_on_every_route(gw: Gateway) -> None:
