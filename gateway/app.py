@@ -172,6 +172,7 @@ def create_app(
             app[ACCOUNTING].reconfigure(new_settings)
         app[BODY_MEMORY].limit = new_settings.server.bodies_max_bytes
         engine = new_settings.engine
+        app[ENGINES].reconfigure(engine)
         known = app[ENGINES].specs
         app[ADMISSION].reconfigure(
             {s.name: s.max_concurrency for s in new_settings.engine_specs if s.name in known},

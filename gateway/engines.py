@@ -152,6 +152,13 @@ class Engines:
                 )
             )
 
+    def reconfigure(self, settings: EngineSettings) -> None:
+        """A reload's engine settings for every engine's next requests (``read_timeout_s`` and
+        the rest `Upstream.post` reads per request); its connections keep their socket, connect
+        timeout and idle time (`gateway.reload.RESTART_ONLY`)."""
+        for upstream in self.upstreams.values():
+            upstream.settings = settings
+
     async def close(self) -> None:
         """Stop the pollers and close every session."""
         for task in self._tasks:

@@ -492,3 +492,32 @@ def test_tls_on_the_metrics_listener(gateway_factory: Any, sim_factory: Any, wor
     assert r.status_code == 200 and "gateway_requests_total" in r.text
     with pytest.raises(httpx.HTTPError):
         httpx.get(gw.metrics_url, timeout=3)
+
+
+def test_a_reload_applies_the_engine_read_timeout_and_names_the_connection_settings(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """``engine.read_timeout_s`` changed by a reload applies to the next streamed request (it
+    was kept from the start for streams while non-streamed requests took the new one); a change
+    to the engine connections' settings is logged ``reload_needs_restart`` by key name."""
+    sim = sim_factory()
+    gw = gateway_factory(sim, {"engine": {"read_timeout_s": 1.0, "connect_timeout_s": 2.0}})
+    body = {
+        "model": ALIAS,
+        "stream": True,
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "hi"}],
+        "sim": {"headers_delay_s": 2.0},
+    }
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    r = httpx.post(gw.url("/v1/chat/completions"), json=body, headers=auth, timeout=30)
+    assert r.status_code == 504, r.text[:300]
+    text = gw.config_path.read_text()
+    text = text.replace("read_timeout_s = 1.0", "read_timeout_s = 5.0")
+    gw.config_path.write_text(text.replace("connect_timeout_s = 2.0", "connect_timeout_s = 3.0"))
+    gw.proc.send_signal(signal.SIGHUP)
+    assert wait_until(lambda: any(e.get("event") == "reload_ok" for e in gw.logs()), 10)
+    r = httpx.post(gw.url("/v1/chat/completions"), json=body, headers=auth, timeout=30)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[:300]
+    restart = [e["key"] for e in gw.logs() if e.get("event") == "reload_needs_restart"]
+    assert restart == ["engine.connect_timeout_s"]
