@@ -370,7 +370,9 @@ async def lead(
         flight.settle()
         call.attaches = flight.attaches
         if flight.detached:
-            # The leader's own client left; its answer went to the connections attached.
+            # The leader's own client left; its answer went to the connections attached (or is
+            # kept for them): the record keeps the status of that answer, charged once here,
+            # and the reason says the client left.
             call.context.reason = call.context.reason or "retry_detached"
             request.app[METRICS].client_disconnects.labels(call.caller.label).inc()
         flights.close(settings, flight, keep)
@@ -444,6 +446,13 @@ async def follow(
             response = await _follow_json(flight)
         completed = not follower.lost
         return response
+    except (asyncio.CancelledError, ConnectionResetError):
+        # Its client left, before or after the headers: 499 ``client_disconnect`` and counted,
+        # as a leader's client (`gateway.relay.client_gone`), however the leaving was noticed.
+        context.status = 499
+        context.reason = "client_disconnect"
+        request.app[METRICS].client_disconnects.labels(call.caller.label).inc()
+        raise
     finally:
         flight.leave(follower, completed=completed)
 

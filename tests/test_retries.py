@@ -190,6 +190,35 @@ async def test_first_client_gone_attached_one_still_served(stack: Stack) -> None
     assert matches(stack, "key", "attach") == 1
 
 
+async def test_an_attached_client_that_leaves_is_a_499_however_it_is_noticed(
+    stack: Stack,
+) -> None:
+    """A follower whose client leaves mid-stream (its handler cancelled, no failed write) is
+    logged 499 ``client_disconnect`` and counted, as a leader's client is; the generation goes
+    on and the leader's client gets it whole."""
+    contexts: list[RequestContext] = []
+    stack.app[FINISH_HOOKS].append(contexts.append)
+    registry = stack.app[METRICS].registry
+    body = chat_body(stream=True, max_tokens=30, sim=SLOW)
+    keyed = {**AUTH_A, "Idempotency-Key": "follower-leaves"}
+    first = await stack.client.post(CHAT, json=body, headers=keyed)
+    await first.content.readuntil(b"\n\n")
+    follower = {**keyed, "X-Request-Id": "follower-1"}
+    second = await stack.client.post(CHAT, json=body, headers=follower)
+    assert second.status == 200 and second.headers["Idempotent-Replayed"] == "true"
+    await second.content.readuntil(b"\n\n")
+    second.close()
+    assert await until(lambda: any(c.request_id == "follower-1" for c in contexts))
+    gone = next(c for c in contexts if c.request_id == "follower-1")
+    assert (gone.status, gone.reason) == (499, "client_disconnect")
+    assert registry.get_sample_value("gateway_client_disconnects_total", {"tenant": "acme"}) == 1
+    assert sse_data(await first.read())[-1] == "[DONE]"
+    assert await until(lambda: len(contexts) == 2)
+    leader = next(c for c in contexts if c.request_id != "follower-1")
+    assert leader.status == 200 and leader.call is not None and leader.call.attaches == 1
+    assert generations(stack) == 1
+
+
 async def test_first_client_gone_while_its_headers_wait_keeps_the_generation(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
