@@ -183,7 +183,7 @@ class ClientStream:
         """Make the SSE headers once: no proxy buffering, no compression (case C01). They go
         out with the first write, or alone at `flush_headers`."""
         if self.response is None:
-            response = self._made or self._make_response()
+            response = self._made if self._made is not None else self._make_response()
             self._made = None
             tap = self.tap
             if tap is not None:
