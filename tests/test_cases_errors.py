@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ from gateway.translate.common import Overflow
 from gateway.translate.responses_request import translate_responses
 from tests.conftest import ALIAS, KEY_A, REPO, Gateway, write_keys
 from tests.fuzz_bodies import ROUTES, fuzz_stack
+
+if sys.version_info >= (3, 14):
+    from compression import zstd
+else:
+    from backports import zstd
 
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
 ANTHROPIC = {"x-api-key": KEY_A, "anthropic-version": "2023-06-01"}
@@ -221,7 +227,7 @@ def test_c28_a_body_that_fails_its_content_encoding_is_one_400_and_one_line(
 
 
 @pytest.mark.parametrize("dialect", ["chat", "messages", "responses"])
-@pytest.mark.parametrize("coding", ["br", "zstd", "compress", "x-gzip", "gzip, gzip", "aes128gcm"])
+@pytest.mark.parametrize("coding", ["br", "compress", "x-gzip", "gzip, zstd", "aes128gcm"])
 def test_c28_a_body_in_a_coding_not_undone_is_a_415_naming_those_that_are(
     gw: Gateway, dialect: str, coding: str
 ) -> None:
@@ -241,6 +247,34 @@ def test_c28_a_body_in_a_coding_not_undone_is_a_415_naming_those_that_are(
     assert [e["status"] for e in lines] == [415]
     r = send(gw, dialect, gzip.compress(raw), **{"Content-Encoding": "GZip"})
     assert r.status_code == 200, r.text[:300]
+
+
+CODECS = {
+    "gzip": gzip.compress,
+    "deflate": zlib.compress,
+    "zstd": lambda data: zstd.compress(data, level=3),
+}
+
+
+@pytest.mark.parametrize("dialect", ["responses", "chat", "messages"])
+@pytest.mark.parametrize("coding", list(CODECS))
+def test_c28_compressed_bodies_are_read_within_the_limit(
+    gw: Gateway, dialect: str, coding: str
+) -> None:
+    """Bodies in the codings the gateway undoes (zstd as Codex-style clients send their
+    Responses bodies, gzip, deflate) are answered as the same body uncompressed; one that
+    decompresses past ``server.max_body_bytes`` is a 413 read no further than the limit, and
+    one that is not in its coding a 400, both in the route's shape."""
+    body = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}[dialect]
+    codec = CODECS[coding]
+    r = send(gw, dialect, codec(json.dumps(body).encode()), **{"Content-Encoding": coding})
+    assert r.status_code == 200, r.text[:300]
+    bomb = codec(b'{"model": "' + b"a" * (64 * 1024 * 1024) + b'"}')
+    assert len(bomb) < 1024 * 1024
+    r = send(gw, dialect, bomb, **{"Content-Encoding": coding})
+    assert r.status_code == 413 and "too large" in error_message(dialect, r)
+    r = send(gw, dialect, b"\x28\xb5\x2f\xfd not really", **{"Content-Encoding": coding})
+    assert r.status_code == 400 and "Content-Encoding" in error_message(dialect, r)
 
 
 def test_c28_a_coding_not_undone_is_refused_before_the_body_is_sent(gw: Gateway) -> None:
