@@ -41,18 +41,21 @@ coding; it reads any other value, a list included, as the bytes they are)."""
 
 def check_content_encoding(request: web.BaseRequest) -> None:
     """Refuse a body whose ``Content-Encoding`` would not be undone: anything but none,
-    ``identity`` or one of `DECODED_CODINGS` (case-insensitive).
+    ``identity`` or one of `DECODED_CODINGS` (ASCII, any case, in one header line, as aiohttp
+    reads it; two lines are a list of codings, RFC 9110 section 5.3).
 
     Raises:
         UnsupportedContentEncoding: 415 with ``Accept-Encoding`` naming `DECODED_CODINGS`; the
             value is never quoted (a client value, C29).
     """
-    coding = request.headers.get("Content-Encoding")
-    if coding is None:
+    lines = request.headers.getall("Content-Encoding", ())
+    if not lines:
         return
-    coding = coding.strip().lower()
-    if coding in ("", "identity") or coding in DECODED_CODINGS:
-        return
+    coding = lines[0].strip(" \t")  # only HTTP's own whitespace (RFC 9110 section 5.6.3)
+    if len(lines) == 1 and coding.isascii():
+        coding = coding.lower()
+        if coding in ("", "identity") or coding in DECODED_CODINGS:
+            return
     raise unsupported_content_encoding()
 
 

@@ -261,6 +261,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     )
     if request.headers.get("Expect") and not request.content.is_eof():
         response.force_close()  # the body was never asked for: do not wait for it
+    elif error.headers.get("Connection", "").lower() == "close":
+        # An answer that says so ends its connection (RFC 9112 section 9.6): the body left
+        # unread (a refused coding, an upload cut off) or a draining gateway serves no more.
+        response.force_close()
     return response
 
 
