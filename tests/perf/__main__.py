@@ -12,6 +12,8 @@ Sections (``--only`` picks some; default all but ``profile``):
 - ``profile``: py-spy samples of the gateway under ``fast`` c=32 load, summarised;
 - ``slot``: adds the gateway with production's ``engine.max_concurrency = 1`` to the ``fast``
   rows at c=1 (the engine-counter baseline of every request);
+- ``floor``: adds a minimal aiohttp relay (`tests.perf.floor`: no auth, parsing, limits or
+  rewrites) to the ``fast`` rows: what aiohttp and the event loop cost by themselves;
 - ``fleet``: four engines at 30 tokens/s behind one gateway, eight tenants of agent sessions:
   busy, slots, fairness, session affinity, failover (`tests.perf.fleet`; not in the default run).
 
@@ -49,7 +51,7 @@ from tests.perf.targets import verdicts
 FAST = Profile("fast", "0 ms per token, 256 tokens an answer", 0.0, 256, (1, 32, 256))
 PACED = Profile("paced", "25 ms per token (40 tokens/s), 64 tokens", 40.0, 64, (1, 32, 64, 256))
 SECTIONS = ("fast", "paced", "limits", "slow", "busy")
-EXTRA_SECTIONS = ("profile", "ledger", "fleet", "slot")
+EXTRA_SECTIONS = ("profile", "ledger", "fleet", "slot", "floor")
 # fleet: measured window (s).
 FLEET_WINDOW_S, QUICK_FLEET_WINDOW_S = 60.0, 20.0
 SLOW_STREAMS, SLOW_TOKENS = 2000, 25
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     ("limits", "gateway-limits-off"),
                     ("ledger", "gateway-ledger-off"),
                     ("slot", "gateway-one-slot"),
+                    ("floor", "aiohttp-floor"),
                 )
                 if profile.name == "fast" and section in only
             ]
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 variants=variants,
             ) as (sim, targets):
                 if not full:
-                    targets = [t for t in targets if t.name.startswith("gateway")]
+                    targets = [t for t in targets if t.name.startswith(("gateway", "aiohttp"))]
                 rows += run_profile(
                     profile,
                     targets,

@@ -125,6 +125,7 @@ VARIANTS: dict[str, list[str]] = {
     "gateway-gc-tuned": ["-m", "tests.perf.gcpolicy", "tuned", "gateway", "serve"],
     "gateway-ledger-off": ["-m", "gateway", "serve"],
     "gateway-one-slot": ["-m", "gateway", "serve"],
+    "aiohttp-floor": ["-m", "tests.perf.floor"],
 }
 # Config sections a variant changes in its copy of the gateway's config.
 VARIANT_CONFIG: dict[str, dict[str, dict[str, Any]]] = {
