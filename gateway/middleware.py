@@ -21,7 +21,14 @@ from aiohttp import HttpVersion11, web
 
 from gateway.body import check_content_encoding
 from gateway.dialects import CHAT, Dialect
-from gateway.errors import GatewayError, HttpError, InvalidApiKey, MethodNotAllowed, NotFound
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    HttpError,
+    InvalidApiKey,
+    MethodNotAllowed,
+    NotFound,
+)
 from gateway.http_errors import error_for
 from gateway.logs import access_line
 from gateway.metrics import ROUTES
@@ -311,6 +318,17 @@ def credential(request: web.Request, dialect: Dialect) -> str | None:
     return authorization
 
 
+def repeated_credential(request: web.Request, dialect: Dialect) -> str | None:
+    """The credential header (``Authorization``, or the dialect's API-key header) the request
+    sends on more than one line, or None. Each holds one value (RFC 9110 section 5.3): of two, a
+    proxy before the gateway may act on one and the gateway on the other, so neither is used."""
+    headers = request.headers
+    for name in ("Authorization", dialect.api_key_header):
+        if name is not None and len(headers.getall(name, ())) > 1:
+            return name
+    return None
+
+
 def credential_header(request: web.Request, dialect: Dialect) -> str | None:
     """The header `credential` takes the credential from (``Authorization`` or the dialect's
     API-key header), or None when the request has neither."""
@@ -327,9 +345,9 @@ async def expect_continue(request: web.Request) -> None:
     will be accepted (RFC 9110 section 10.1.1).
 
     A client that sends ``Expect: 100-continue`` waits for it before uploading the body, so a
-    missing or bad credential, a ``Content-Length`` over ``server.max_body_bytes``, a
+    missing, bad or repeated credential, a ``Content-Length`` over ``server.max_body_bytes``, a
     ``Content-Encoding`` the gateway does not undo or a gateway that is draining are answered
-    (401, 413, 415, 503, by the usual middlewares and handler, logged once) without the body
+    (401, 400, 413, 415, 503, by the usual middlewares and handler, logged once) without the body
     ever being sent. Any other expectation is ignored rather than
     answered with aiohttp's 417 page, which quotes the header.
     """
@@ -350,6 +368,8 @@ async def expect_continue(request: web.Request) -> None:
         return
     template, _ = _route(request)
     dialect = _dialect(app, request, template) or CHAT
+    if repeated_credential(request, dialect) is not None:
+        return
     try:
         live.auth.authenticate(credential(request, dialect))
     except GatewayError:
@@ -361,6 +381,7 @@ async def expect_continue(request: web.Request) -> None:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every path but /health and /ready needs a credential, unknown paths included (C14).
+    A credential header sent twice is a 400 (`repeated_credential`), whatever the values.
 
     Authentication decides on the same normalised path the router matched, with the request's
     configuration snapshot; the tenant's settings and metric label are resolved here, once.
@@ -369,6 +390,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)
     context = request[CONTEXT]
     live = context.live
+    repeated = repeated_credential(request, context.dialect)
+    if repeated is not None:
+        raise BadRequest(f"The request sends more than one {repeated} header; send one.")
     try:
         principal = live.auth.authenticate(credential(request, context.dialect))
     except InvalidApiKey as exc:

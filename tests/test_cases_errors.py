@@ -313,18 +313,13 @@ def test_c28_compressed_bodies_are_read_within_the_limit(
     assert r.status_code == 400 and "Content-Encoding" in error_message(dialect, r)
 
 
-def test_c28_a_coding_not_undone_is_refused_before_the_body_is_sent(gw: Gateway) -> None:
-    """With ``Expect: 100-continue``, a body in a coding the gateway does not undo is answered
-    415 without ``100 Continue``: the client never uploads it."""
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {KEY_A}\r\n".encode()
-        + b"Content-Encoding: compress\r\nContent-Length: 10\r\nExpect: 100-continue\r\n"
-        + b"Connection: close\r\n\r\n"
-    )
-    parsed = urlparse(gw.base_url)
+def first_answer(url: str, raw: bytes) -> tuple[bytes, bytes]:
+    """Send raw bytes; the head and body of the first answer, its body read by its
+    ``Content-Length`` (the connection may stay open: a client that waits for ``100 Continue``
+    never sends its body)."""
+    parsed = urlparse(url)
     with socket.create_connection((parsed.hostname, parsed.port), timeout=10) as sock:
-        sock.sendall(request)  # and never the body: a client that waits for 100 Continue
+        sock.sendall(raw)
         received = b""
         while b"\r\n\r\n" not in received:
             received += sock.recv(65536)
@@ -336,9 +331,71 @@ def test_c28_a_coding_not_undone_is_refused_before_the_body_is_sent(gw: Gateway)
         )
         while len(body) < length:
             body += sock.recv(65536)
+    return head, body
+
+
+def test_c28_a_coding_not_undone_is_refused_before_the_body_is_sent(gw: Gateway) -> None:
+    """With ``Expect: 100-continue``, a body in a coding the gateway does not undo is answered
+    415 without ``100 Continue``: the client never uploads it."""
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY_A}\r\n".encode()
+        + b"Content-Encoding: compress\r\nContent-Length: 10\r\nExpect: 100-continue\r\n"
+        + b"Connection: close\r\n\r\n"
+    )
+    head, body = first_answer(gw.base_url, request)  # and never the body
     assert head.startswith(b"HTTP/1.1 415 ") and b"100 Continue" not in head
     assert b"\r\nAccept-Encoding: gzip" in head
     assert json.loads(body)["error"]["code"] == "unsupported_content_encoding"
+
+
+OTHER_KEY = "sk-q38-unknownUUUUUUUUUUUUUUUUUUUUUUUUUUUU"
+REPEATED = [
+    ("chat", "Authorization", [f"Bearer {KEY_A}", f"Bearer {OTHER_KEY}"]),
+    ("chat", "Authorization", [f"Bearer {OTHER_KEY}", f"Bearer {KEY_A}"]),
+    ("chat", "Authorization", [f"Bearer {KEY_A}", f"Bearer {KEY_A}"]),
+    ("responses", "authorization", [f"Bearer {KEY_A}", "Basic eDp5"]),
+    ("messages", "x-api-key", [KEY_A, OTHER_KEY]),
+    ("messages", "X-Api-Key", [OTHER_KEY, KEY_A]),
+    ("messages", "Authorization", [f"Bearer {KEY_A}", f"Bearer {KEY_A}"]),
+]
+
+
+@pytest.mark.parametrize(("dialect", "name", "values"), REPEATED)
+def test_a_credential_header_sent_twice_is_a_400_whatever_its_values(
+    gw: Gateway, dialect: str, name: str, values: list[str]
+) -> None:
+    """A credential header sent on two lines (RFC 9110 section 5.3: it holds one value) is a 400
+    in the route's shape, naming the header and quoting neither value, before anything is read
+    or charged: a proxy before the gateway may act on one line and the gateway on the other. Also
+    without ``100 Continue`` for a client that waits for it. One ``Authorization`` beside
+    Anthropic's ``x-api-key`` is not a repetition (``Authorization`` is used)."""
+    path = ROUTES[dialect]
+    calls = engine_calls(gw)
+    body = json.dumps({"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}[dialect])
+    lines = "".join(f"{name}: {value}\r\n" for value in values)
+    version = "anthropic-version: 2023-06-01\r\n" if dialect == "messages" else ""
+    for expect in ("", "Expect: 100-continue\r\n"):
+        request = (
+            f"POST {path} HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n{lines}"
+            f"{version}Content-Length: {len(body)}\r\n{expect}Connection: close\r\n\r\n"
+        ).encode()
+        head, answer = first_answer(gw.base_url, request if expect else request + body.encode())
+        assert head.startswith(b"HTTP/1.1 400 ") and b"100 Continue" not in head, head
+        assert b"\r\nx-request-id: " in head.lower()
+        error = json.loads(answer)
+        message = error_message(dialect, httpx.Response(400, content=answer))
+        assert message.lower().startswith(f"the request sends more than one {name.lower()} header")
+        if dialect == "messages":
+            assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        else:
+            assert error["error"]["type"] == "invalid_request_error"
+        for value in values:
+            assert value.split()[-1].encode() not in head + answer
+    assert engine_calls(gw) == calls
+    both = {**ANTHROPIC, "Authorization": f"Bearer {KEY_A}", "x-api-key": OTHER_KEY}
+    r = httpx.post(gw.url(ROUTES["messages"]), json=MESSAGES, headers=both, timeout=30)
+    assert r.status_code == 200, r.text[:300]
 
 
 def test_c28_an_expectation_nobody_meets_is_ignored_on_every_route(gw: Gateway) -> None:
