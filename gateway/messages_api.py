@@ -41,6 +41,7 @@ from gateway.translate.chat_events import answer_events
 from gateway.translate.common import Overflow, PromptTooLong, overflow_of
 from gateway.translate.plan import TranslatedPlan, plan_translated
 from gateway.translate.relay import TranslatingRelay, Writer
+from gateway.upstream import tokenize_count
 
 
 def _plan(given: PlanInput) -> RequestPlan:
@@ -196,17 +197,13 @@ async def _count_tokens(
         if answer.status != 200:
             raise await answer.error()
         try:
-            raw_answer = await answer.body(settings.engine.max_answer_bytes)
+            count = await tokenize_count(answer.chunks(), settings.engine.max_answer_bytes)
         except GatewayError:
             answer.abort()
             raise
-        answer.release()
-        try:
-            count = json.loads(raw_answer)["count"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise answer.failed(EngineBadResponse(), exc) from exc
-        if not isinstance(count, int):
-            raise answer.failed(EngineBadResponse())
+        answer.release()  # an answer not read to its end closes its connection
+        if count is None:
+            raise answer.failed(EngineBadResponse("The engine's count answer had no count."))
     finally:
         await budgets.release(hold)
     return web.json_response(

@@ -19,7 +19,7 @@ import struct
 import termios
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, Callable, Sequence
 from socket import AF_UNIX
 from typing import Any
 
@@ -272,13 +272,9 @@ class Upstream:
             ) as resp:
                 if resp.status != 200:
                     return None
-                answer = await resp.json(content_type=None)
+                return await tokenize_count(resp.content.iter_any(), self.settings.max_answer_bytes)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             return None
-        count = answer.get("count") if isinstance(answer, dict) else None
-        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-            return count
-        return None
 
     async def health(self, timeout: float) -> tuple[EngineStatus, str | None]:
         """Probe ``GET /health``: ``ready`` on 200, ``down`` otherwise, with a short reason.
@@ -495,6 +491,39 @@ class UpstreamAnswer:
         if abort:
             self._connection.abort()
         self._upstream.pool.release(self._connection)
+
+
+_TOKENIZE_COUNT = re.compile(rb'"count"\s*:\s*(\d{1,18})\s*[,}]')
+"""The ``count`` member of a ``/tokenize`` answer, its number whole (the byte after it read)."""
+_COUNT_TAIL = 64
+"""Bytes of one read kept for the next: a ``"count": N,`` cut between two reads is found whole."""
+
+
+async def tokenize_count(reads: AsyncIterable[bytes], limit: int) -> int | None:
+    """The ``count`` of a ``/tokenize`` answer, found in its bytes as they arrive, holding at
+    most `_COUNT_TAIL` of them beyond the read at hand.
+
+    The token ids beside the count take about 7 bytes a token (a 30 MB prompt's answer is over
+    40 MB, past ``engine.max_answer_bytes``), and only the count is needed. vLLM's
+    `TokenizeResponse` writes ``count`` first (then ``max_model_len``, ``tokens``,
+    ``token_strs``), so it is found in the first read; in any other order it is found where it
+    is (a string of ``token_strs`` cannot hold ``"count":``, JSON escapes its quotes). None when
+    the answer ends without one, or when ``limit`` bytes passed before it.
+
+    Raises: what ``reads`` raises (the engine's read failing).
+    """
+    tail = b""
+    size = 0
+    async for data in reads:
+        size += len(data)
+        window = tail + data if tail else data
+        match = _TOKENIZE_COUNT.search(window)
+        if match is not None:
+            return int(match.group(1))
+        if size > limit:
+            return None
+        tail = window[-_COUNT_TAIL:]
+    return None
 
 
 _PARAM_RE = re.compile(r"[a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*")

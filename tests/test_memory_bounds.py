@@ -96,6 +96,43 @@ def test_c27_store_bound_holds_in_rss_and_a_tenant_within_its_share_keeps_its_re
     assert chained.status_code == 200, chained.text
 
 
+def test_c30_a_prompt_count_is_read_without_its_token_ids(sim_factory, gateway_factory) -> None:
+    """The engine's ``/tokenize`` answer carries every token id beside the count (about 7 bytes
+    a token): ``count_tokens`` reads the count as the answer arrives, so a prompt whose ids pass
+    ``engine.max_answer_bytes`` is counted exactly, not refused as an engine answer too large."""
+    sim = sim_factory()
+    gw = gateway_factory(sim, {"engine": {"max_answer_bytes": 64 * 1024}})
+    messages = [{"role": "user", "content": "word " * 30_000}]
+    r = httpx.post(
+        gw.url("/v1/messages/count_tokens"),
+        json={"model": ALIAS, "messages": messages},
+        headers={"x-api-key": KEY_A, "anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text[:300]
+    transport = httpx.HTTPTransport(uds=sim.socket)
+    with httpx.Client(transport=transport, timeout=30) as client:
+        engine = client.post(
+            "http://engine/tokenize",
+            json={
+                "model": ALIAS,
+                "messages": messages,
+                "add_generation_prompt": True,
+                "chat_template_kwargs": {"enable_thinking": True},
+            },
+        )
+    assert len(engine.content) > 64 * 1024
+    assert r.json() == {"input_tokens": engine.json()["count"]}
+    assert gw.metric("gateway_upstream_errors_total", kind="too_large") == 0
+    r = httpx.post(
+        gw.url("/v1/messages/count_tokens"),
+        json={"model": ALIAS, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"x-api-key": KEY_A, "anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and 0 < r.json()["input_tokens"] < 20
+
+
 @pytest.mark.parametrize(
     ("path", "body", "shape"),
     [

@@ -23,7 +23,7 @@ from gateway.errors import (
     GatewayTimeout,
 )
 from gateway.metrics import Metrics
-from gateway.upstream import EngineState, Upstream, engine_error
+from gateway.upstream import EngineState, Upstream, engine_error, tokenize_count
 from tests.clock import FakeClock
 from tests.inprocess import ENGINE_MODEL, SimServer, short_tempdir, start_sim, until
 
@@ -255,3 +255,48 @@ async def test_drift_between_admitted_and_running_is_logged(
             await upstream.close()
     drift = next(e for e in logs if e["event"] == "inflight_drift")
     assert drift["gateway_in_flight"] == 2 and drift["engine_running"] == 0
+
+
+async def _reads(data: bytes, *cuts: int) -> AsyncIterator[bytes]:
+    """``data`` as the reads that cut it at ``cuts``."""
+    start = 0
+    for cut in (*cuts, len(data)):
+        yield data[start:cut]
+        start = cut
+
+
+TOKENIZE_ANSWERS = [
+    # vLLM's TokenizeResponse: count first, then the ids (about 7 bytes a token).
+    (
+        b'{"count":4321,"max_model_len":254976,"tokens":['
+        + b"151644," * 4320
+        + b'1],"token_strs":null}',
+        4321,
+    ),
+    # Older vLLM wrote the ids first; spaces as another encoder might write them.
+    (b'{"tokens": [' + b"11, " * 999 + b'11], "count" : 1000, "max_model_len": 8}', 1000),
+    (b'{"count":0,"max_model_len":8,"tokens":[]}', 0),
+    # A token string that reads "count" is not the member.
+    (b'{"token_strs":["count","\\"count\\":"],"count":2,"tokens":[5,6]}', 2),
+]
+
+
+@pytest.mark.parametrize(("answer", "count"), TOKENIZE_ANSWERS)
+async def test_a_tokenize_count_is_found_wherever_the_reads_cut_it(
+    answer: bytes, count: int
+) -> None:
+    """`tokenize_count` finds the count whole however the engine's reads cut the answer (inside
+    the key, between the digits, before the comma), holding a few bytes beyond the read at hand."""
+    where = answer.index(b'"count"')
+    for cut in range(max(1, where - 3), min(len(answer), where + 20)):
+        assert await tokenize_count(_reads(answer, cut), 1 << 20) == count, cut
+    assert await tokenize_count(_reads(answer, *range(1, len(answer))), 1 << 20) == count
+
+
+async def test_a_tokenize_answer_without_a_count_or_past_the_limit_gives_none() -> None:
+    """No count in the answer, or none before ``limit`` bytes: None (the caller's fallback)."""
+    assert await tokenize_count(_reads(b'{"max_model_len":8,"tokens":[1,2]}', 5), 1 << 20) is None
+    assert await tokenize_count(_reads(b'{"count":"7"}'), 1 << 20) is None
+    late = b'{"tokens":[' + b"1," * 50_000 + b'1],"count":50001}'
+    assert await tokenize_count(_reads(late, *range(4096, len(late), 4096)), 64 * 1024) is None
+    assert await tokenize_count(_reads(late, *range(4096, len(late), 4096)), 1 << 20) == 50_001
