@@ -110,7 +110,8 @@ async def read_body(
                 ) from None
             except (HttpProcessingError, RequestPayloadError):
                 raise BadRequest(
-                    "The request body could not be decoded with its Content-Encoding."
+                    "The request body could not be decoded with its Content-Encoding.",
+                    headers={"Connection": "close"},  # aiohttp's parser is broken: it closes
                 ) from None
             if not chunk:
                 break

@@ -217,11 +217,13 @@ def test_c28_a_body_that_fails_its_content_encoding_is_one_400_and_one_line(
 ) -> None:
     """A body labelled gzip that is not: a 400 in the route's shape, one access line and no
     error line or traceback (aiohttp's read of the rest of the body after the answer used to
-    log one at error level)."""
+    log one at error level). The answer says ``Connection: close``, as the connection ends (its
+    parser cannot read on): a client does not send its next request into it."""
     before = len(gw.logs())
     r = send(gw, dialect, b"not gzip at all", **{"Content-Encoding": "gzip"})
     assert r.status_code == 400
     assert "Content-Encoding" in error_message(dialect, r)
+    assert r.headers.get("Connection") == "close"
     time.sleep(0.5)  # the connection's own handling ends after the answer
     after = gw.logs()[before:]
     assert [e["status"] for e in after if e.get("event") == "request"] == [400]
