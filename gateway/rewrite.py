@@ -40,6 +40,11 @@ SAMPLING_NON_THINKING: Mapping[str, float | int] = {
 }
 # OpenAI API reference, /v1/completions max_tokens: "Defaults to 16" (vLLM's default too).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# The most sequences one request may ask the engine for: prompts x max(n, best_of) of a
+# /v1/completions batch. 2,048 is the most inputs OpenAI takes in one array (embeddings API
+# reference, ``input``: "any array must be 2048 dimensions or less"); a larger batch is hours of
+# a one-sequence engine and an answer past any relay cap, refused before anything is reserved.
+MAX_SEQUENCES = 2048
 # Per-message template overhead (<|im_start|>role\n ... <|im_end|>\n) in tokens.
 _MESSAGE_OVERHEAD_TOKENS = 8
 
@@ -351,6 +356,13 @@ def plan_request(
         best_of = body.get("best_of")
         choices = max(n, best_of if isinstance(best_of, int) else 1)
     sequences = choices * (len(prompts) if prompts is not None else 1)
+    if sequences > MAX_SEQUENCES:
+        raise BadRequest(
+            f"This request asks for {sequences} sequences ({len(prompts or ())} prompts, "
+            f"{choices} each); one request may generate at most {MAX_SEQUENCES}: send the "
+            f"prompts in several requests.",
+            param="prompt",
+        )
     returned = n * (len(prompts) if prompts is not None else 1)
     # The charged prompt is the engine's usage, which counts each prompt once whatever n is.
     prompt_ceiling = sum(ceilings)

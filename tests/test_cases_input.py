@@ -77,6 +77,33 @@ def test_c19_reservation_counts_each_prompt(small: Gateway) -> None:
     assert len(r.json()["choices"]) == 5
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": ["hi"] * 2049},
+        {"prompt": [[1, 2]] * 1025, "n": 2},
+        {"prompt": ["a"] * 17, "n": 1, "best_of": 128},
+        {"prompt": ["x"] * 300_000, "stream": True},
+    ],
+    ids=["prompts", "prompts_times_n", "prompts_times_best_of", "huge_batch_streamed"],
+)
+def test_a_batch_past_the_sequence_cap_is_a_400_before_the_engine(
+    stack: Gateway, body: dict[str, Any]
+) -> None:
+    """A /v1/completions batch of more than 2,048 sequences (prompts x max(n, best_of)) is hours
+    of the engine and an answer past any cap: refused with a 400 naming the count, nothing sent
+    to the engine; a batch of exactly 2,048 is served, one choice per prompt."""
+    before = engine_calls(stack.sim)
+    r = post(stack, COMPLETIONS, {"model": ALIAS, **body})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and "at most 2048" in error["message"], error
+    assert engine_calls(stack.sim) == before
+    r = post(stack, COMPLETIONS, {"model": ALIAS, "prompt": ["hi"] * 2048, "max_tokens": 1})
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["choices"]) == 2048
+
+
 # ----------------------------------------------------------------------------------------- C23
 
 
