@@ -21,8 +21,6 @@ a pickle of (dialect, settings, plan), then the answer. Worker to gateway: a pic
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import copyreg
 import dataclasses
 import json
@@ -34,6 +32,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from gateway.child import LENGTH, SLICE_BYTES, Child, WorkerFailed, frame, read_frame
 from gateway.config import Settings
 from gateway.meter import EngineUsage, parse_usage
 from gateway.rewrite import RequestPlan
@@ -99,10 +98,10 @@ class _Captured:
     def __init__(self) -> None:
         self.entry: tuple[str, str, bytes, bytes] | None = None
 
-    def put(self, tenant: str, response: dict[str, Any], input_items: list[Any]) -> bool:
-        from gateway.translate.responses_store import compact
-
-        self.entry = (tenant, str(response["id"]), compact(response), compact(input_items))
+    def put_json(
+        self, tenant: str, response_id: str, response_json: bytes, input_json: bytes
+    ) -> bool:
+        self.entry = (tenant, response_id, response_json, input_json)
         return True
 
 
@@ -127,13 +126,6 @@ def _in_worker(dialect: str, raw: bytes, settings: Settings, plan: RequestPlan) 
 
 OFFLOADED_DIALECTS = ("chat", "completions", "messages", "responses")
 """Dialects whose answers the worker can rewrite (it rebuilds them by name)."""
-SLICE_BYTES = 1 << 20
-"""Bytes moved per step between the pipes, the answer buffer and the client."""
-_LENGTH = struct.Struct(">Q")
-
-
-class WorkerFailed(Exception):
-    """The worker process died or broke the protocol while rewriting an answer."""
 
 
 @dataclass
@@ -166,12 +158,11 @@ class Offloaded:
 
 
 class AnswerWorker:
-    """The worker process for large answers: started on first use, one answer at a time,
-    started again after it died."""
+    """The worker process for large answers (a `gateway.child.Child`): started on first use,
+    one answer at a time, started again after it died."""
 
     def __init__(self) -> None:
-        self._proc: asyncio.subprocess.Process | None = None
-        self._lock = asyncio.Lock()
+        self._child = Child("gateway.answers")
 
     async def rewrite(
         self, dialect: str, parts: list[bytes], settings: Settings, plan: RequestPlan
@@ -185,94 +176,62 @@ class AnswerWorker:
             NotAnObject: ``raw`` is not a JSON object.
             WorkerFailed: the worker died.
         """
-        light = dataclasses.replace(plan, body=b"")  # the engine request is not needed there
-        await self._lock.acquire()
+        # The engine request is not needed there.
+        light = dataclasses.replace(plan, body=b"", tokenize_body=None)
+        child = self._child
+        await child.lock.acquire()
         handed = False
         try:
-            proc = await self._started()
-            assert proc.stdin is not None
+            await child.started()
             job = pickle.dumps((dialect, settings, light))
-            size = sum(map(len, parts))
-            proc.stdin.write(_LENGTH.pack(len(job)) + job + _LENGTH.pack(size))
-            for part in parts:
-                proc.stdin.write(part)
-                await proc.stdin.drain()
-            await proc.stdin.drain()
-            facts = pickle.loads(await self.read(_LENGTH.unpack(await self.read(8))[0]))
-            length = _LENGTH.unpack(await self.read(8))[0]
+            await child.send(frame(job), LENGTH.pack(sum(map(len, parts))), *parts)
+            facts = pickle.loads(await child.read_frame())
+            length = LENGTH.unpack(await child.read(LENGTH.size))[0]
             if isinstance(facts, NotAnObject):
                 self.done(clean=length == 0)
                 handed = True
                 raise facts
             handed = True
             return Offloaded(facts, length, self)
-        except (OSError, asyncio.IncompleteReadError, pickle.UnpicklingError, struct.error) as exc:
-            await self._kill()
+        except (pickle.UnpicklingError, struct.error, EOFError) as exc:
             raise WorkerFailed(type(exc).__name__) from exc
         finally:
-            if not handed and self._lock.locked():
-                await self._kill()
-                self._lock.release()
+            if not handed:
+                child.stop()
+                child.lock.release()
 
     async def read(self, size: int) -> bytes:
-        """Exactly ``size`` bytes from the worker's stdout."""
-        assert self._proc is not None and self._proc.stdout is not None
-        try:
-            return await self._proc.stdout.readexactly(size)
-        except (asyncio.IncompleteReadError, OSError) as exc:
-            raise WorkerFailed(type(exc).__name__) from exc
+        """Exactly ``size`` bytes of the answer being relayed."""
+        return await self._child.read(size)
 
     def done(self, clean: bool) -> None:
         """The answer was read (``clean``) or abandoned half way (the worker is stopped)."""
-        if not clean and self._proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
-            self._proc = None
-        if self._lock.locked():
-            self._lock.release()
-
-    async def _started(self) -> asyncio.subprocess.Process:
-        if self._proc is None or self._proc.returncode is not None:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "gateway.answers",
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                limit=SLICE_BYTES * 2,
-            )
-        return self._proc
-
-    async def _kill(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            with contextlib.suppress(Exception):
-                await proc.wait()
+        if not clean:
+            self._child.stop()
+        if self._child.lock.locked():
+            self._child.lock.release()
 
     async def close(self) -> None:
         """Stop the worker process (the gateway shuts down)."""
-        await self._kill()
+        await self._child.close()
 
 
 def _serve(stdin: Any, stdout: Any) -> None:
     """The worker's loop: one job after another until stdin closes."""
     while True:
-        head = stdin.read(8)
-        if len(head) < 8:
+        job = read_frame(stdin)
+        if job is None:
             return
-        dialect, settings, plan = pickle.loads(stdin.read(_LENGTH.unpack(head)[0]))
-        raw = stdin.read(_LENGTH.unpack(stdin.read(8))[0])
+        dialect, settings, plan = pickle.loads(job)
+        raw = read_frame(stdin) or b""
         try:
             result = _in_worker(dialect, raw, settings, plan)
         except NotAnObject as exc:
-            facts = pickle.dumps(exc)
-            stdout.write(_LENGTH.pack(len(facts)) + facts + _LENGTH.pack(0))
+            stdout.write(frame(pickle.dumps(exc)) + LENGTH.pack(0))
         else:
             del raw
             facts = pickle.dumps(dataclasses.replace(result, body=b""))
-            stdout.write(_LENGTH.pack(len(facts)) + facts + _LENGTH.pack(len(result.body)))
+            stdout.write(frame(facts) + LENGTH.pack(len(result.body)))
             stdout.write(result.body)
         stdout.flush()
 

@@ -43,6 +43,7 @@ from gateway.middleware import (
     error_middleware,
     expect_continue,
 )
+from gateway.plan_worker import PLAN_WORKER, PlanWorker
 from gateway.proxy import model_handler, record_call
 from gateway.quarantine import Quarantine, fingerprint_key
 from gateway.reload import Reloader
@@ -230,8 +231,8 @@ def create_app(
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     """Each engine's session and health poller (`Engines.start`), the drift check of each, the
-    quarantine file's watcher, the engine's idle counters (one engine of one slot) and the
-    answer worker. ``UPSTREAM`` is the first engine's session (requests that need no slot pick
+    quarantine file's watcher, the engine's idle counters (one engine of one slot), the answer
+    worker and the plan worker (`gateway.plan_worker`). ``UPSTREAM`` is the first engine's session (requests that need no slot pick
     an engine in rotation through `Engines.counter`)."""
     fleet = app[ENGINES]
     fleet.start(lambda: app[LIVE].current.settings.engine)
@@ -240,6 +241,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     state = app[ENGINE_STATE]
     app[IDLE_COUNTERS] = idle = IdleCounters(upstream)
     app[ANSWER_WORKER] = worker = AnswerWorker()
+    app[PLAN_WORKER] = planner = PlanWorker(app[STORE])
 
     def on_engine(previous: EngineStatus, status: EngineStatus) -> None:
         idle.forget()  # another engine process, or none: its counters start again
@@ -268,6 +270,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
     await idle.close()
     await worker.close()
+    await planner.close()
     await fleet.close()
 
 

@@ -18,7 +18,6 @@ prompt whose ceiling leaves less room than the budget is counted, with the same 
 
 from __future__ import annotations
 
-import json
 import time
 
 import structlog
@@ -67,7 +66,9 @@ async def _count_prompt(request: web.Request, call: ModelCall, reason: str) -> i
     plan = call.plan
     assert plan is not None
     started = time.monotonic()
-    count = await _counter(request, call).count_prompt(plan.body, EXACT_COUNT_TIMEOUT_S)
+    count = await _counter(request, call).count_prompt(
+        plan.tokenize_request(), EXACT_COUNT_TIMEOUT_S
+    )
     log.info(
         "prompt_counted",
         ceiling=plan.prompt_ceiling,
@@ -114,8 +115,4 @@ async def fit_default_output(request: web.Request, call: ModelCall) -> None:
     if room < 1:
         call.plan = plan  # the engine refuses the prompt itself, with its numbers
         return
-    max_output = min(call.caller.tenant.max_tokens, room)
-    body = json.loads(plan.body)
-    body[field] = max_output
-    sent = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-    call.plan = plan.with_output(max_output, sent)
+    call.plan = plan.with_default_output(min(call.caller.tenant.max_tokens, room))

@@ -44,8 +44,9 @@ class StreamRelay(Protocol):
 class PromptCounter(Protocol):
     """The engine's own prompt count (`gateway.upstream.Upstream.count_prompt`)."""
 
-    async def count_prompt(self, body: bytes, timeout: float) -> int | None:
-        """Prompt tokens of an engine request body, or None when the engine cannot say."""
+    async def count_prompt(self, ask: bytes | None, timeout: float) -> int | None:
+        """Prompt tokens of a ``/tokenize`` body (`gateway.rewrite.RequestPlan.tokenize_request`),
+        or None when the engine cannot say (or ``ask`` is None)."""
 
 
 @dataclass(frozen=True)

@@ -378,6 +378,23 @@ class UpstreamError(GatewayError):
     kind = "bad_response"
 
 
+class PlanWorkerFailed(UpstreamError):
+    """503: the worker process that plans large request bodies (`gateway.plan_worker`) died or
+    broke its protocol; a retry starts another (``Retry-After: 1``). An upstream of the gateway
+    like its engines, raised outside the engine boundary, so not counted as the engine's."""
+
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+    reason = "plan_worker_failed"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The gateway failed to read this large request body; retry it.",
+            headers={"Retry-After": "1"},
+        )
+
+
 class EngineUnavailable(UpstreamError):
     """503: the engine is down, starting or warming up, or the gateway is saturated overall."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -23,10 +24,18 @@ from aiohttp import web
 from gateway.affinity import Affinity, session_key
 from gateway.body import client_body, unplannable_as_400
 from gateway.body_memory import BodyHold, read_held
-from gateway.config import Settings
+from gateway.config import Settings, TenantSettings
 from gateway.dialects import Dialect, PlanInput, PromptCounter
 from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
 from gateway.middleware import credential
+from gateway.plan_worker import (
+    BODY_HEADERS,
+    COUNT_TOKENS,
+    OFFLOAD_BYTES,
+    PLAN_WORKER,
+    CountAsk,
+    Job,
+)
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
 from gateway.state import BODY_MEMORY, BUDGETS, CONTEXT, ENGINE_STATE, ENGINES, Caller
@@ -102,7 +111,7 @@ async def _explain(counter: PromptCounter, plan: RequestPlan, error: GatewayErro
     prompt, at_least = overflow.prompt, overflow.at_least
     output = overflow.output or plan.max_output
     if at_least:
-        counted = await counter.count_prompt(plan.body, OVERFLOW_COUNT_TIMEOUT_S)
+        counted = await counter.count_prompt(plan.tokenize_request(), OVERFLOW_COUNT_TIMEOUT_S)
         # A count that says the request fits contradicts the engine's refusal: keep its bound.
         if counted is not None and counted >= prompt and counted + output > overflow.context:
             prompt, at_least = counted, False
@@ -158,14 +167,22 @@ async def count_tokens(request: web.Request) -> web.Response:
         memory.release(hold)
 
 
-async def _count_tokens(
-    request: web.Request, caller: Caller, memory_hold: BodyHold
-) -> web.Response:
-    app = request.app
-    settings = request[CONTEXT].live.settings
-    raw = await read_held(request, app[BODY_MEMORY], memory_hold, settings.server, caller.label)
-    client = client_body(raw, credential(request, ANTHROPIC))
-    del raw  # held only while parsed (`gateway.body_memory`)
+def count_ask(
+    raw: bytes,
+    authorization: str | None,
+    headers: Mapping[str, str],
+    settings: Settings,
+    tenant: TenantSettings,
+) -> CountAsk:
+    """A ``count_tokens`` body made into the engine's ``/tokenize`` question: parsed and checked
+    (`gateway.body.client_body`), translated as a Messages request (`translate_messages`),
+    its thinking mode resolved as the request would be.
+
+    Raises:
+        BadRequest: not a valid count request.
+        ModelNotFound: the model is neither the alias nor an accepted name.
+    """
+    client = client_body(raw, authorization)
     with unplannable_as_400():
         translated = translate_messages(
             client, max_model_len=settings.engine.max_model_len, count_only=True
@@ -173,27 +190,46 @@ async def _count_tokens(
         model = translated.chat.get("model")
         if model is not None and (not isinstance(model, str) or not settings.model.accepts(model)):
             raise ModelNotFound(model)
-        thinking = resolve_thinking(translated.chat, settings, caller.tenant)
+        thinking = resolve_thinking(translated.chat, settings, tenant)
+    body: dict[str, Any] = {
+        "model": settings.engine.model,
+        "messages": translated.chat["messages"],
+        "add_generation_prompt": True,
+        "chat_template_kwargs": {"enable_thinking": thinking},
+    }
+    if translated.chat.get("tools"):
+        body["tools"] = translated.chat["tools"]
+    ask = json.dumps(body, ensure_ascii=False).encode()
+    return CountAsk(ask, session_key(headers, client))
+
+
+async def _count_tokens(
+    request: web.Request, caller: Caller, memory_hold: BodyHold
+) -> web.Response:
+    app = request.app
+    live = request[CONTEXT].live
+    settings = live.settings
+    raw = await read_held(request, app[BODY_MEMORY], memory_hold, settings.server, caller.label)
+    authorization = credential(request, ANTHROPIC)
+    if len(raw) > OFFLOAD_BYTES:
+        headers = {name: request.headers[name] for name in BODY_HEADERS if name in request.headers}
+        job = Job(
+            COUNT_TOKENS, authorization, headers, settings, caller.tenant, "", live.salt_secret
+        )
+        ask = await app[PLAN_WORKER].count(job, raw)
+    else:
+        ask = count_ask(raw, authorization, request.headers, settings, caller.tenant)
+    del raw  # held only while parsed (`gateway.body_memory`)
     state = app[ENGINE_STATE]
     if not state.ready:
         raise state.unavailable()
-    fleet, session = app[ENGINES], session_key(request.headers, client)
+    fleet, session = app[ENGINES], ask.session
     home = fleet.affinity.home(Affinity.digest(caller.tenant.name, session)) if session else None
     budgets = app[BUDGETS]
     hold = await budgets.reserve(caller.tenant, 0, quotas=False)
     reservation = hold.rate
     try:
-        body: dict[str, Any] = {
-            "model": settings.engine.model,
-            "messages": translated.chat["messages"],
-            "add_generation_prompt": True,
-            "chat_template_kwargs": {"enable_thinking": thinking},
-        }
-        if translated.chat.get("tools"):
-            body["tools"] = translated.chat["tools"]
-        answer = await fleet.counter(home).post(
-            "/tokenize", json.dumps(body, ensure_ascii=False).encode(), uuid.uuid4().hex
-        )
+        answer = await fleet.counter(home).post("/tokenize", ask.body, uuid.uuid4().hex)
         if answer.status != 200:
             raise await answer.error()
         try:

@@ -25,8 +25,7 @@ import structlog
 from aiohttp import web
 
 from gateway.accounting import Accounting
-from gateway.affinity import Affinity, session_key
-from gateway.body import client_body, unplannable_as_400
+from gateway.affinity import Affinity
 from gateway.body_memory import BodyHold, read_held
 from gateway.budget import reserve_budgets
 from gateway.deadline import door_check, enqueued, finished, predict
@@ -43,6 +42,14 @@ from gateway.errors import (
 from gateway.failover import EngineStalled
 from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler, credential
+from gateway.plan_worker import (
+    BODY_HEADERS,
+    OFFLOAD_BYTES,
+    OFFLOADED_DIALECTS,
+    PLAN_WORKER,
+    Job,
+    plan_body,
+)
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
 from gateway.retries import (
     FLIGHTS,
@@ -79,7 +86,7 @@ from gateway.state import (
     ModelCall,
     RequestContext,
 )
-from gateway.waiting import Heartbeat, background_request, wait_for_slot
+from gateway.waiting import Heartbeat, wait_for_slot
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -128,20 +135,28 @@ async def plan_call(request: web.Request, call: ModelCall) -> bytes:
     """
     live = call.live
     raw = await hold_body(request, call)
-    body = client_body(raw, credential(request, call.dialect))
-    call.background = background_request(request.headers, body)
-    session = session_key(request.headers, body)
-    if session is not None and call.live.settings.engine.affinity:
-        call.session = Affinity.digest(call.caller.tenant.name, session)
-    given = PlanInput(
-        body=body,
-        settings=live.settings,
-        tenant=call.caller.tenant,
-        request_id=call.engine_request_id,
-        salt_secret=live.salt_secret,
-    )
-    with unplannable_as_400():
-        call.plan = call.dialect.plan(given)
+    dialect = call.dialect
+    authorization = credential(request, dialect)
+    tenant = call.caller.tenant
+    if len(raw) > OFFLOAD_BYTES and dialect.name in OFFLOADED_DIALECTS:
+        headers = {name: request.headers[name] for name in BODY_HEADERS if name in request.headers}
+        job = Job(
+            dialect.name,
+            authorization,
+            headers,
+            live.settings,
+            tenant,
+            call.engine_request_id,
+            live.salt_secret,
+        )
+        planned = await request.app[PLAN_WORKER].plan(job, raw)
+    else:
+        given = PlanInput(None, live.settings, tenant, call.engine_request_id, live.salt_secret)
+        planned = plan_body(dialect, raw, authorization, request.headers, given)
+    call.plan = planned.plan
+    call.background = planned.background
+    if planned.session is not None and live.settings.engine.affinity:
+        call.session = Affinity.digest(tenant.name, planned.session)
     if call.plan.held_extra and call.body_hold is not None:
         hold = call.body_hold
         request.app[BODY_MEMORY].take(hold, hold.size + call.plan.held_extra, call.caller.label)

@@ -20,9 +20,9 @@ from gateway.answers import (
     AnswerWorker,
     NotAnObject,
     Offloaded,
-    WorkerFailed,
     rewrite,
 )
+from gateway.child import WorkerFailed
 from gateway.errors import (
     EngineAnswerTooLarge,
     EngineBadResponse,

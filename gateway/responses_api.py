@@ -34,7 +34,7 @@ from gateway.translate.plan import TranslatedPlan, plan_translated
 from gateway.translate.relay import TranslatingRelay, Writer
 from gateway.translate.responses_errors import failure_code, responses_error_bytes
 from gateway.translate.responses_request import translate_responses
-from gateway.translate.responses_store import ResponseStore
+from gateway.translate.responses_store import ResponseStore, compact
 from gateway.translate.responses_stream import KEEPALIVE_COMMENT, ResponsesWriter
 
 STORE = web.AppKey("responses_store", ResponseStore)
@@ -89,13 +89,17 @@ def responses_dialect(store: ResponseStore) -> Dialect:
         stored = given.settings.responses.store and translated.extra.get("store", True)
         translated.extra["stored"] = stored
         translated.extra["tenant"] = given.tenant.name
-        translated.extra["input_items"] = [*(history or []), *_input_items(body)] if stored else []
+        # Kept as the store keeps it: bytes, not a decoded list, while the request runs.
+        translated.extra["input_json"] = (
+            compact([*(history or []), *_input_items(body)]) if stored else b""
+        )
         return dataclasses.replace(plan_translated(given, translated), held_extra=held_extra)
 
     def keep(writer: ResponsesWriter) -> None:
         extra = writer.extra
         if extra.get("stored") and writer.status in ("completed", "incomplete"):
-            store.put(extra["tenant"], writer.response(), extra["input_items"])
+            response = writer.response()
+            store.put_json(extra["tenant"], response["id"], compact(response), extra["input_json"])
 
     def fail(writer: Writer, error: GatewayError) -> bytes:
         assert isinstance(writer, ResponsesWriter)

@@ -77,6 +77,8 @@ class RequestPlan:
             estimate), else None: `gateway.budget.fit_default_output` makes it fit the context.
         held_extra: bytes of memory the request holds beyond what its client body accounts for
             (a stored conversation it continues), counted against ``server.bodies_max_bytes``.
+        tokenize_body: `tokenize_ask` of ``body`` built ahead, off the event loop, for a large
+            body (``b""`` when it has none), or None to build it when asked.
     """
 
     body: bytes
@@ -92,6 +94,7 @@ class RequestPlan:
     prompt_exact: bool = False
     default_output: str | None = None
     held_extra: int = 0
+    tokenize_body: bytes | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -115,8 +118,21 @@ class RequestPlan:
             reserve_tokens=count + self.output_tokens,
         )
 
-    def with_output(self, max_output: int, body: bytes) -> RequestPlan:
-        """This plan with another output budget per sequence (``body`` carries it)."""
+    def with_default_output(self, max_output: int) -> RequestPlan:
+        """This plan with another output budget per sequence in its ``default_output`` field.
+
+        `plan_request` writes that field last in the body, so only the body's tail is rewritten:
+        a large body is not decoded on the event loop (where this runs) for one number.
+        """
+        field = self.default_output
+        assert field is not None, "only the gateway's own default is rewritten"
+        tail = f',"{field}":{self.max_output}}}'.encode()
+        if self.body.endswith(tail):
+            body = self.body[: -len(tail)] + f',"{field}":{max_output}}}'.encode()
+        else:  # a body not shaped by plan_request
+            decoded = json.loads(self.body)
+            decoded[field] = max_output
+            body = json.dumps(decoded, ensure_ascii=False, separators=(",", ":")).encode()
         sequences = self.output_tokens // self.max_output if self.max_output > 0 else 1
         return dataclasses.replace(
             self,
@@ -124,6 +140,41 @@ class RequestPlan:
             max_output=max_output,
             reserve_tokens=self.prompt_ceiling + max_output * sequences,
         )
+
+    def tokenize_request(self) -> bytes | None:
+        """The body of vLLM's ``POST /tokenize`` for this plan's prompt (`tokenize_ask`): built
+        ahead (``tokenize_body``) for a body planned in the worker, else from ``body`` now."""
+        if self.tokenize_body is not None:
+            return self.tokenize_body or None
+        return tokenize_ask(self.body)
+
+
+def tokenize_ask(body: bytes) -> bytes | None:
+    """The body of vLLM's ``POST /tokenize`` that counts the prompt of the engine request
+    ``body``, or None when it is not one prompt (a list of prompts, not JSON).
+
+    vLLM's tokenizer endpoint takes chat ``messages`` (with ``tools`` and
+    ``chat_template_kwargs``, through the chat template with the generation prompt) or a
+    completions ``prompt`` string (vLLM docs, "OpenAI-Compatible Server", Tokenizer API).
+    """
+    try:
+        sent = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(sent, dict):
+        return None
+    ask: dict[str, Any] = {"model": sent.get("model")}
+    if isinstance(sent.get("messages"), list):
+        ask["messages"] = sent["messages"]
+        ask["add_generation_prompt"] = True
+        for name in ("tools", "chat_template_kwargs"):
+            if sent.get(name) is not None:
+                ask[name] = sent[name]
+    elif isinstance(sent.get("prompt"), str):
+        ask["prompt"] = sent["prompt"]
+    else:
+        return None
+    return json.dumps(ask, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -370,6 +421,9 @@ def plan_request(
     out.pop("priority", None)
     out["request_id"] = request_id
     out["cache_salt"] = cache_salt(salt_secret, tenant.name)
+    if default_output is not None:
+        # Last, so `with_default_output` rewrites the body's tail instead of decoding it.
+        out[default_output] = out.pop(default_output)
 
     return RequestPlan(
         body=_dumps(out),

@@ -153,7 +153,7 @@ async def settle(request: web.Request, call: ModelCall) -> None:
     if needs_prompt_count(call) and request.app[ENGINE_STATE].ready:
         counter = request.app[ENGINES].counter(call.engine)
         usage.prompt_tokens = await counter.count_prompt(
-            call.plan.body, timeout=PROMPT_COUNT_TIMEOUT_S
+            call.plan.tokenize_request(), timeout=PROMPT_COUNT_TIMEOUT_S
         )
     tokens = _count(request, call)
     await request.app[BUDGETS].settle(call.hold, tokens)

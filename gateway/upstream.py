@@ -21,7 +21,6 @@ import time
 import weakref
 from collections.abc import AsyncIterable, Callable, Sequence
 from socket import AF_UNIX
-from typing import Any
 
 import aiohttp
 import structlog
@@ -56,6 +55,7 @@ ERROR_BODY_MAX_BYTES = 1 << 20
 DROP_RECHECK_S = 0.1
 """Pause before the second ``/health`` probe after a dropped connection (`Upstream.post`)."""
 HEALTH_TIMEOUT = "health timeout"
+_JSON_HEADERS = {"Content-Type": "application/json"}
 """Probe reason: no answer within the probe's timeout (a slow engine gives it too)."""
 
 
@@ -239,35 +239,21 @@ class Upstream:
                 return False
         return False
 
-    async def count_prompt(self, body: bytes, timeout: float) -> int | None:
-        """The engine's own prompt token count of an engine request body, or None.
+    async def count_prompt(self, ask: bytes | None, timeout: float) -> int | None:
+        """The engine's own prompt token count, or None.
 
-        Asks ``POST /tokenize`` (vLLM's tokenizer endpoint: chat ``messages`` through the chat
-        template with the generation prompt, or a completions ``prompt`` string) for the exact
-        count of a request whose answer ended before the engine reported its usage. None when
-        the body is not one prompt (a list of prompts) or the engine does not answer in time.
+        Posts ``ask``, the ``POST /tokenize`` body of an engine request
+        (`gateway.rewrite.tokenize_ask`), for the exact count of a prompt (vLLM's tokenizer
+        endpoint). None when ``ask`` is None (the request is not one prompt) or the engine does
+        not answer in time.
         """
-        try:
-            sent = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(sent, dict):
-            return None
-        ask: dict[str, Any] = {"model": sent.get("model")}
-        if isinstance(sent.get("messages"), list):
-            ask["messages"] = sent["messages"]
-            ask["add_generation_prompt"] = True
-            for name in ("tools", "chat_template_kwargs"):
-                if sent.get(name) is not None:
-                    ask[name] = sent[name]
-        elif isinstance(sent.get("prompt"), str):
-            ask["prompt"] = sent["prompt"]
-        else:
+        if ask is None:
             return None
         try:
             async with self.session.post(
                 f"{self.base}/tokenize",
-                json=ask,
+                data=ask,
+                headers=_JSON_HEADERS,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
                 if resp.status != 200:
