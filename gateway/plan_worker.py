@@ -121,7 +121,8 @@ def plan_body(
     """
     body = client_body(raw, authorization)
     with unplannable_as_400():
-        plan = dialect.plan(dataclasses.replace(given, body=body))
+        facts = PlanInput(body, given.settings, given.tenant, given.request_id, given.salt_secret)
+        plan = dialect.plan(facts)
     return Planned(plan, background_request(headers, body), session_key(headers, body))
 
 

@@ -1,0 +1,310 @@
+"""Request bodies over 1 MiB, parsed and planned in the gateway's worker process
+(`gateway.plan_worker`): the event loop keeps answering meanwhile, the engine gets what it would
+get for the same request sent small, and a worker that dies costs one retryable 503 at most.
+A real gateway process in front of the engine simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ALIAS, KEY_A, Gateway, wait_until
+from tests.test_memory_bounds import probed
+
+ANTHROPIC = {"x-api-key": KEY_A, "anthropic-version": "2023-06-01"}
+OPENAI = {"Authorization": f"Bearer {KEY_A}"}
+ITEMS = 200_000  # short messages: some 10 MB of JSON, millions of Python objects decoded
+
+
+def many(path: str) -> dict[str, Any]:
+    """A body of `ITEMS` short messages for ``path``: past the context, so refused."""
+    if path == "/v1/responses":
+        items = [{"type": "message", "role": "user", "content": f"m{i}"} for i in range(ITEMS)]
+        return {"model": ALIAS, "input": items}
+    if path.startswith("/v1/messages"):
+        messages = [
+            {"role": "user", "content": [{"type": "text", "text": f"m{i}"}]} for i in range(ITEMS)
+        ]
+        body: dict[str, Any] = {"model": ALIAS, "messages": messages}
+        return body if path.endswith("count_tokens") else {**body, "max_tokens": 10}
+    return {
+        "model": ALIAS,
+        "messages": [{"role": "user", "content": f"m{i}"} for i in range(ITEMS)],
+    }
+
+
+def post(gw: Gateway, path: str, raw: bytes, timeout: float = 120) -> httpx.Response:
+    """POST ``raw`` as JSON to ``path`` with KEY_A, in the path's API's headers."""
+    headers = ANTHROPIC if path.startswith("/v1/messages") else OPENAI
+    return httpx.post(
+        gw.url(path),
+        content=raw,
+        headers={**headers, "Content-Type": "application/json"},
+        timeout=timeout,
+    )
+
+
+def escaped(text: str) -> str:
+    """``text`` with every character written as a JSON ``\\uXXXX`` escape: six bytes on the wire
+    for one character of the prompt, so a body passes 1 MiB while its prompt stays small."""
+    return "".join(f"\\u{ord(c):04x}" for c in text)
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/messages/count_tokens"],
+)
+def test_health_answers_fast_while_a_huge_body_is_planned(
+    sim_factory, gateway_factory, path: str
+) -> None:
+    """A body of 200,000 messages (some 10 MB, far more Python objects once decoded) takes the
+    gateway seconds to parse and check: /health and /ready keep answering within 100 ms of
+    their pace without it, and the body gets its answer (the context refused; its count)."""
+    gw = gateway_factory(sim_factory())
+    raw = json.dumps(many(path)).encode()
+    assert len(raw) > 4 * 1024 * 1024
+    started = time.monotonic()
+    r, slowest, _ = probed(gw, lambda: post(gw, path, raw))
+    took = time.monotonic() - started
+    _, control, _ = probed(gw, lambda: (time.sleep(took), post(gw, path, b"{}"))[1])
+    if path.endswith("count_tokens"):
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["input_tokens"] > 254_976
+    else:
+        assert r.status_code == 400, r.text[:300]
+        assert "context" in r.text or "too long" in r.text, r.text[:300]
+    bound = max(control + 0.1, 3 * control)
+    assert slowest < bound, f"slowest probe {slowest * 1000:.0f} ms (control {control * 1000:.0f})"
+
+
+def engine_body(gw: Gateway) -> dict[str, Any]:
+    """The body of the last model request the simulator received, without its per-request id."""
+    assert gw.sim is not None
+    body = dict(gw.sim.model_records()[-1]["body"])
+    body.pop("request_id")
+    return body
+
+
+@pytest.mark.parametrize(
+    ("path", "make"),
+    [
+        (
+            "/v1/chat/completions",
+            lambda text: {
+                "model": ALIAS,
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": text},
+                ],
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object"}},
+                    }
+                ],
+                "tool_choice": "none",
+                "stop": ["\n\n"],
+                "n": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "metadata": {"k": "v"},
+            },
+        ),
+        (
+            "/v1/completions",
+            lambda text: {"model": ALIAS, "prompt": [text, "second"], "max_tokens": 5},
+        ),
+        (
+            "/v1/messages",
+            lambda text: {
+                "model": ALIAS,
+                "system": [{"type": "text", "text": "Be brief."}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}],
+                "stop_sequences": ["END"],
+                "max_tokens": 20,
+                "thinking": {"type": "disabled"},
+            },
+        ),
+        (
+            "/v1/responses",
+            lambda text: {
+                "model": ALIAS,
+                "instructions": "Be brief.",
+                "input": [{"type": "message", "role": "user", "content": text}],
+                "max_output_tokens": 30,
+                "store": False,
+            },
+        ),
+    ],
+    ids=["chat", "completions", "messages", "responses"],
+)
+def test_a_large_body_reaches_the_engine_as_the_same_request_sent_small(
+    stack: Gateway, path: str, make: Callable[[str], dict[str, Any]]
+) -> None:
+    """The same request twice: once written plainly (planned in the event loop), once with every
+    prompt character escaped (over 1 MiB, planned in the worker). The engine receives the same
+    body, and the client the same answer."""
+    text = "The quick brown fox jumps over the lazy dog. " * 4_000  # 180,000 characters
+    small = json.dumps(make(text)).encode()
+    large = json.dumps(make("@@")).encode().replace(b"@@", escaped(text).encode())
+    assert len(small) < 1024 * 1024 < len(large)
+    answers, bodies = [], []
+    for raw in (small, large):
+        r = post(stack, path, raw)
+        assert r.status_code == 200, r.text[:300]
+        answers.append(r)
+        bodies.append(engine_body(stack))
+    assert bodies[0] == bodies[1]
+    if path == "/v1/chat/completions":  # streamed: the same events, the same usage
+        events = [
+            [json.loads(line[6:]) for line in a.text.splitlines() if line.startswith("data: {")]
+            for a in answers
+        ]
+        assert len(events[0]) == len(events[1])
+        assert events[0][-1]["usage"] == events[1][-1]["usage"]
+    else:
+        first, second = (a.json() for a in answers)
+        assert first["usage"] == second["usage"]
+
+
+def test_stored_responses_work_from_a_large_body(sim_factory, gateway_factory) -> None:
+    """A large Responses body is stored, retrieved, and continued by another large body through
+    ``previous_response_id`` (the worker asks the gateway's store for the conversation)."""
+    gw = gateway_factory(sim_factory(), {"responses": {"store": True}})
+    text = escaped("Remember the number 4711. " * 8_000)
+    first = json.dumps({"model": ALIAS, "input": "@@", "max_output_tokens": 8}).encode()
+    r = post(gw, "/v1/responses", first.replace(b"@@", text.encode()))
+    assert r.status_code == 200, r.text[:300]
+    stored = r.json()
+    got = httpx.get(gw.url(f"/v1/responses/{stored['id']}"), headers=OPENAI, timeout=10)
+    assert got.status_code == 200 and got.json()["id"] == stored["id"]
+    second = {"model": ALIAS, "input": "@@", "previous_response_id": stored["id"]}
+    raw = json.dumps(second).encode().replace(b"@@", escaped("And now? " * 20_000).encode())
+    r = post(gw, "/v1/responses", raw)
+    assert r.status_code == 200, r.text[:300]
+    messages = engine_body(gw)["messages"]
+    assert "Remember the number 4711." in json.dumps(messages[0])
+    assert messages[-1]["content"].startswith("And now?")
+    missing = json.dumps({**second, "previous_response_id": "resp_0"}).encode()
+    r = post(gw, "/v1/responses", missing.replace(b"@@", escaped("x" * 200_000).encode()))
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/chat/completions", {"messages": "not a list"}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": []}, 404, "model"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "n": 0},
+            400,
+            "n",
+        ),
+        (
+            "/v1/messages",
+            {"max_tokens": 10, "messages": [{"role": "robot", "content": "x"}]},
+            400,
+            None,
+        ),
+        ("/v1/messages/count_tokens", {"model": "gpt-4", "messages": []}, 404, None),
+        ("/v1/responses", {"input": 5}, 400, "input"),
+    ],
+)
+def test_a_large_bad_body_is_refused_as_a_small_one_is(
+    stack: Gateway, path: str, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    """A body the dialect refuses gets the same error large (planned in the worker) as small:
+    status, API shape, message and field; nothing reaches the engine."""
+    assert stack.sim is not None
+    before = len(stack.sim.model_records())
+    small = json.dumps({"model": ALIAS, **body}).encode()
+    large = small[:-1] + b', "padding": "' + b"x" * (1024 * 1024 + 10) + b'"}'
+    answers = [post(stack, path, raw) for raw in (small, large)]
+    assert [a.status_code for a in answers] == [status, status], answers[1].text[:300]
+    assert answers[0].json() == answers[1].json()
+    if param is not None:
+        assert answers[1].json()["error"]["param"] == param
+    assert len(stack.sim.model_records()) == before
+
+
+def test_a_large_body_carrying_the_own_key_is_refused_without_echo(stack: Gateway) -> None:
+    """The request's own API key inside a large body is found there too (400, not quoted)."""
+    body = {"model": ALIAS, "messages": [{"role": "user", "content": "x" * 1_100_000 + KEY_A}]}
+    r = post(stack, "/v1/chat/completions", json.dumps(body).encode())
+    assert r.status_code == 400, r.text[:300]
+    assert "own API key" in r.json()["error"]["message"] and KEY_A not in r.text
+
+
+def worker_pids(gw: Gateway) -> list[int]:
+    """The gateway's plan worker processes (children running ``gateway.plan_worker``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == gw.proc.pid and b"gateway.plan_worker" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_dead_worker_costs_one_retryable_503_at_most(sim_factory, gateway_factory) -> None:
+    """Killed while idle, the worker is started again for the next large body (no error); killed
+    while it plans one, that request gets a 503 with ``Retry-After`` in its API's shape, and
+    the next large body is served. The gateway stops its worker when it stops."""
+    gw = gateway_factory(sim_factory())
+    text = escaped("Count the words here. " * 9_000)
+    ok = json.dumps({"model": ALIAS, "messages": [{"role": "user", "content": "@@"}]}).encode()
+    ok = ok.replace(b"@@", text.encode())
+    assert post(gw, "/v1/chat/completions", ok).status_code == 200
+    (pid,) = worker_pids(gw)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: pid not in worker_pids(gw), 5)
+    r = post(gw, "/v1/chat/completions", ok)
+    assert r.status_code == 200, r.text[:300]
+    (pid,) = worker_pids(gw)
+
+    killed = threading.Event()
+
+    def kill_soon() -> None:
+        time.sleep(0.3)  # the huge body below takes the worker seconds
+        os.kill(pid, signal.SIGKILL)
+        killed.set()
+
+    huge = json.dumps(many("/v1/messages")).encode()
+    killer = threading.Thread(target=kill_soon)
+    killer.start()
+    r = post(gw, "/v1/messages", huge)
+    killer.join()
+    assert killed.is_set()
+    assert r.status_code == 503, r.text[:300]
+    assert r.headers["Retry-After"] == "1"
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
+    r = post(gw, "/v1/chat/completions", ok)
+    assert r.status_code == 200, r.text[:300]
+    assert any(e.get("event") == "plan_worker_failed" for e in gw.logs())
+    (pid,) = worker_pids(gw)
+    gw.proc.send_signal(signal.SIGTERM)
+    gw.proc.wait(20)
+    assert wait_until(lambda: not alive(pid), 5)
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (exists and is not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
