@@ -29,12 +29,12 @@ from gateway.dialects import Dialect, PlanInput, PromptCounter
 from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
 from gateway.middleware import credential
 from gateway.plan_worker import (
-    BODY_HEADERS,
     COUNT_TOKENS,
     OFFLOAD_BYTES,
     PLAN_WORKER,
     CountAsk,
     Job,
+    body_headers,
 )
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
@@ -212,9 +212,14 @@ async def _count_tokens(
     raw = await read_held(request, app[BODY_MEMORY], memory_hold, settings.server, caller.label)
     authorization = credential(request, ANTHROPIC)
     if len(raw) > OFFLOAD_BYTES:
-        headers = {name: request.headers[name] for name in BODY_HEADERS if name in request.headers}
         job = Job(
-            COUNT_TOKENS, authorization, headers, settings, caller.tenant, "", live.salt_secret
+            COUNT_TOKENS,
+            authorization,
+            body_headers(request.headers),
+            settings,
+            caller.tenant,
+            "",
+            live.salt_secret,
         )
         ask = await app[PLAN_WORKER].count(job, raw)
     else:

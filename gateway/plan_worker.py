@@ -88,6 +88,11 @@ class CountAsk:
     session: str | None
 
 
+def body_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The `BODY_HEADERS` of a request's ``headers``, as the worker gets them."""
+    return {name: headers[name] for name in BODY_HEADERS if name in headers}
+
+
 @dataclass(frozen=True)
 class Job:
     """What the worker needs beside the body: the dialect's name, the request's credential

@@ -43,11 +43,11 @@ from gateway.failover import EngineStalled
 from gateway.launcher_status import killed_for_hang
 from gateway.middleware import Handler, credential
 from gateway.plan_worker import (
-    BODY_HEADERS,
     OFFLOAD_BYTES,
     OFFLOADED_DIALECTS,
     PLAN_WORKER,
     Job,
+    body_headers,
     plan_body,
 )
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
@@ -139,11 +139,10 @@ async def plan_call(request: web.Request, call: ModelCall) -> bytes:
     authorization = credential(request, dialect)
     tenant = call.caller.tenant
     if len(raw) > OFFLOAD_BYTES and dialect.name in OFFLOADED_DIALECTS:
-        headers = {name: request.headers[name] for name in BODY_HEADERS if name in request.headers}
         job = Job(
             dialect.name,
             authorization,
-            headers,
+            body_headers(request.headers),
             live.settings,
             tenant,
             call.engine_request_id,
