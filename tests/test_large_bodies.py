@@ -5,9 +5,12 @@ A real gateway process in front of the engine simulator."""
 
 from __future__ import annotations
 
+import functools
+import gzip
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -84,6 +87,60 @@ def test_health_answers_fast_while_a_huge_body_is_planned(
         assert "context" in r.text or "too long" in r.text, r.text[:300]
     bound = max(control + 0.1, 3 * control)
     assert slowest < bound, f"slowest probe {slowest * 1000:.0f} ms (control {control * 1000:.0f})"
+
+
+SMALL_CHAT = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@functools.cache
+def bomb(coding: str) -> bytes:
+    """1 GiB of spaces in ``coding``: 1.6 KB of brotli, 32 KB of zstd, 4.7 MB of gzip."""
+    raw = b" " * (1 << 30)
+    if coding == "br":
+        import brotli  # type: ignore[import-untyped]
+
+        return bytes(brotli.compress(raw, quality=5))
+    if coding == "zstd":
+        if sys.version_info >= (3, 14):
+            from compression import zstd
+        else:
+            from backports import zstd
+        return bytes(zstd.compress(raw))
+    return gzip.compress(raw, 1)
+
+
+@pytest.mark.parametrize("coding", ["br", "zstd", "gzip"])
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("POST", "/v1/chat/completions", 401),  # no credential: the body is never read
+        ("GET", "/health", 200),  # a body on a route that reads none
+        ("POST", "/v1/models", 405),  # with a credential: a method the route lacks
+    ],
+)
+def test_an_unread_compressed_body_is_not_decoded_in_the_event_loop(
+    stack: Gateway, coding: str, method: str, path: str, status: int
+) -> None:
+    """A compressed body of 1 GiB sent to a route that answers without reading it: the client
+    gets its answer with ``Connection: close``, and /health and /ready keep their pace (aiohttp
+    would decode the whole GiB after the answer, in one stretch, to keep the connection)."""
+    compressed = bomb(coding)
+    headers = {"Content-Encoding": coding, "Content-Type": "application/json"}
+    if status == 405:
+        headers.update(OPENAI)
+    r, slowest, _ = probed(
+        stack,
+        lambda: httpx.request(method, stack.url(path), content=compressed, headers=headers),
+    )
+    assert r.status_code == status, r.text[:300]
+    assert r.headers["Connection"] == "close"
+    assert slowest < 0.25, f"slowest probe {slowest * 1000:.0f} ms"
+    r = httpx.post(
+        stack.url("/v1/chat/completions"),
+        content=gzip.compress(json.dumps(SMALL_CHAT).encode()),
+        headers={**OPENAI, **headers, "Content-Encoding": "gzip"},
+    )
+    assert r.status_code == 200, r.text[:300]
 
 
 def engine_body(gw: Gateway) -> dict[str, Any]:
