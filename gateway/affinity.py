@@ -67,7 +67,7 @@ def _claude_code_session(user_id: str) -> str | None:
     if user_id.startswith("{"):
         try:
             parsed = json.loads(user_id)
-        except ValueError:
+        except (ValueError, RecursionError):  # a client's text: anything, any depth
             return None
         session = parsed.get("session_id") if isinstance(parsed, dict) else None
         return session[:_MAX_KEY_CHARS] if isinstance(session, str) and session else None

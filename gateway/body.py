@@ -197,6 +197,34 @@ def _long_int(text: str) -> Any:
 _LOCATING_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_int=_long_int)
 
 
+MAX_DEPTH = 128
+"""The deepest nesting of arrays and objects a body may have (the top-level object is depth 1):
+serde_json's default recursion limit. Every later walk of the body (checks, translation,
+pickling to the worker process) then stays far inside Python's recursion limit wherever it
+runs, so a body is refused or served the same, planned in the event loop or in the worker."""
+
+
+def too_deeply_nested() -> BadRequest:
+    """The 400 of a body nested past `MAX_DEPTH`."""
+    return BadRequest(f"The JSON body is nested more than {MAX_DEPTH} levels deep.")
+
+
+def nested_past(value: Any, limit: int) -> bool:
+    """True when ``value`` (decoded JSON) nests arrays and objects more than ``limit`` deep;
+    walked with a list, not recursion, visiting containers only."""
+    if not isinstance(value, (dict, list)):
+        return False
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        container, depth = pending.pop()
+        if depth > limit:
+            return True
+        for child in container.values() if isinstance(container, dict) else container:
+            if isinstance(child, (dict, list)):
+                pending.append((child, depth + 1))
+    return False
+
+
 def parse_body(raw: bytes) -> Any:
     """Parse a request body as strict JSON (UTF-8, or UTF-16/32 detected as ``json.loads`` does).
 
@@ -205,14 +233,14 @@ def parse_body(raw: bytes) -> Any:
     4,300 digits (Python's conversion limit) fails the fast parse, and a second pass names it.
 
     Raises:
-        BadRequest: not JSON, a non-finite number literal, nested too deeply, or an integer too
-            long to convert (``param`` names its top-level field).
+        BadRequest: not JSON, a non-finite number literal, nested past `MAX_DEPTH`, or an
+            integer too long to convert (``param`` names its top-level field).
     """
     try:
         text = raw.decode(json.detect_encoding(raw))
-        return _DECODER.decode(text)
+        body = _DECODER.decode(text)
     except RecursionError:
-        raise BadRequest("The JSON body is nested too deeply.") from None
+        raise too_deeply_nested() from None
     except (ValueError, UnicodeDecodeError) as exc:
         if isinstance(exc, ValueError) and "digits" in str(exc):
             _locate_long_int(text)
@@ -220,6 +248,9 @@ def parse_body(raw: bytes) -> Any:
             "We could not parse the JSON body of your request. "
             "(HINT: This likely means you aren't using your HTTP library correctly.)"
         ) from None
+    if text.count("[") + text.count("{") > MAX_DEPTH and nested_past(body, MAX_DEPTH):
+        raise too_deeply_nested()
+    return body
 
 
 def _locate_long_int(text: str) -> None:
@@ -308,7 +339,7 @@ def unplannable_as_400() -> Iterator[None]:
     except GatewayError:
         raise
     except RecursionError:
-        raise BadRequest("The JSON body is nested too deeply.") from None
+        raise too_deeply_nested() from None
     except Exception:
         log.exception("plan_failed")
         raise BadRequest(

@@ -116,6 +116,32 @@ def test_deeply_nested_json_body_is_400_not_500(stack: Gateway, depth: int) -> N
     assert no_500_logged(stack, ids["X-Request-Id"])
 
 
+def test_a_deeply_nested_claude_code_user_id_is_served(stack: Gateway) -> None:
+    """``metadata.user_id`` is read for Claude Code's session as JSON text; text nested 5,000
+    deep inside that string is just a user id (200), not a 500."""
+    user_id = '{"session_id":' + "[" * 5000 + "]" * 5000 + "}"
+    body = {
+        "model": ALIAS,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+        "metadata": {"user_id": user_id},
+    }
+    headers = {"x-api-key": KEY_A, "anthropic-version": "2023-06-01", **(ids := rid("uid"))}
+    r = httpx.post(stack.url("/v1/messages"), json=body, headers=headers, timeout=10)
+    assert r.status_code == 200, r.text[:300]
+    assert no_500_logged(stack, ids["X-Request-Id"])
+
+
+def test_tool_arguments_nested_past_the_limit_are_no_object() -> None:
+    """A model's tool-call arguments nested past the body limit (or past Python's parser) give
+    the Anthropic answer an empty ``input``, as any other arguments that are not an object."""
+    from gateway.translate.common import arguments_object
+
+    assert set(arguments_object('{"a": ' + "[" * 100 + "]" * 100 + "}")) == {"a"}
+    assert arguments_object('{"a": ' + "[" * 200 + "]" * 200 + "}") == {}
+    assert arguments_object('{"a": ' + "[" * 5000 + "]" * 5000 + "}") == {}
+
+
 @pytest.mark.parametrize(
     ("path", "field"),
     [(CHAT, "content"), (CHAT, "tools"), (CHAT, "tool_calls"), ("/v1/completions", "prompt")],

@@ -294,6 +294,63 @@ def test_a_large_bad_body_is_refused_as_a_small_one_is(
     assert len(stack.sim.model_records()) == before
 
 
+def deep_tool_body(path: str, extra: int) -> bytes:
+    """A request for ``path`` whose one tool's schema holds ``extra`` nested empty lists (the
+    tool offered, not called: the simulator parses no tool calls)."""
+    raw = json.dumps(deep_tool_dict(path)).encode()
+    return raw.replace(b'"@@"', b"[" * extra + b"]" * extra)
+
+
+def deep_tool_dict(path: str) -> dict[str, Any]:
+    """`deep_tool_body` with ``"@@"`` in place of the nested lists."""
+    schema = {"type": "object", "properties": {}, "x": "@@"}
+    prompt = {"role": "user", "content": "hi"}
+    if path == "/v1/chat/completions":
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        return {"model": ALIAS, "messages": [prompt], "tools": [tool], "tool_choice": "none"}
+    if path == "/v1/responses":
+        tool = {"type": "function", "name": "f", "parameters": schema}
+        return {"model": ALIAS, "input": "hi", "tools": [tool], "tool_choice": "none"}
+    tools = [{"name": "f", "input_schema": schema}]
+    body = {"model": ALIAS, "messages": [prompt], "tools": tools, "tool_choice": {"type": "none"}}
+    return body if path.endswith("count_tokens") else {**body, "max_tokens": 2}
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text ``raw`` (no brackets in its
+    strings)."""
+    depth = deepest = 0
+    for byte in raw:
+        if byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+    return deepest
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"],
+)
+def test_nesting_depth_is_judged_alike_small_and_large(stack: Gateway, path: str) -> None:
+    """A body nested 128 levels deep is served; one level more, or hundreds or thousands more, is
+    a 400 saying so, with the same answer whether the body is small (planned in the event loop)
+    or padded past 1 MiB (planned in the worker), which keeps serving."""
+    base = json_depth(deep_tool_body(path, 1)) - 1
+    for depth, status in [(128, 200), (129, 400), (500, 400), (985, 400), (5_000, 400)]:
+        small = deep_tool_body(path, depth - base)
+        assert json_depth(small) == depth
+        large = small[:-1] + b" " * (1024 * 1024 + 10) + b"}"
+        answers = [post(stack, path, raw) for raw in (small, large)]
+        assert [a.status_code for a in answers] == [status, status], (depth, answers[1].text[:300])
+        if status == 400:
+            assert answers[0].json() == answers[1].json()
+            assert "nested more than 128 levels deep" in answers[0].text
+    r = post(stack, path, deep_tool_body(path, 3))
+    assert r.status_code == 200, r.text[:300]
+
+
 def test_a_large_body_carrying_the_own_key_is_refused_without_echo(stack: Gateway) -> None:
     """The request's own API key inside a large body is found there too (400, not quoted)."""
     body = {"model": ALIAS, "messages": [{"role": "user", "content": "x" * 1_100_000 + KEY_A}]}

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.body import MAX_DEPTH, nested_past
 from gateway.errors import BadRequest, EngineRejected, GatewayError, quotable
 from gateway.rewrite import estimate_prompt_tokens
 
@@ -124,14 +125,17 @@ def one_of(value: Any, choices: tuple[str, ...], name: str) -> str:
 
 def arguments_object(raw: str) -> dict[str, Any]:
     """A tool call's JSON arguments as an object; ``{}`` when the model produced none or
-    something that is not a JSON object (the client then reports the bad call to the model)."""
+    something that is not a JSON object, or one nested past `gateway.body.MAX_DEPTH` (which no
+    answer could carry: the client then reports the bad call to the model)."""
     if not raw.strip():
         return {}
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
-    return value if isinstance(value, dict) else {}
+    if not isinstance(value, dict) or nested_past(value, MAX_DEPTH):
+        return {}
+    return value
 
 
 def arguments_text(value: Any) -> str:
