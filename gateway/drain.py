@@ -9,7 +9,8 @@ cut, and its access line says ``reason="shutdown"``, not a client disconnect.
 A request path takes part by running its engine call inside ``with drain.track():`` and, when
 it catches `asyncio.CancelledError`, asking `Drain.cut_by_shutdown` whether the cancellation was
 the drain's, in which case it ends its response with `Drain.error` and returns instead of
-re-raising.
+re-raising. Stages before any answer (reading and planning the body) run inside
+``with drain.answering():``, which does both and answers the 503.
 """
 
 from __future__ import annotations
@@ -76,6 +77,26 @@ class Drain:
             yield
         finally:
             self._tasks.discard(task)
+
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        """`track` a stage that has sent nothing yet (reading and planning a body, a count):
+        the drain waits for it, and its cancellation by `expire` becomes `error` raised, a 503
+        the error middleware answers, not a connection cut as if the client had left.
+
+        Raises:
+            EngineUnavailable: the grace ended during the stage (`error`).
+        """
+        with self.track():
+            try:
+                yield
+            except asyncio.CancelledError:
+                if not self.cut_by_shutdown():
+                    raise
+                task = asyncio.current_task()
+                if task is not None and hasattr(task, "uncancel"):
+                    task.uncancel()  # handled: the 503 below is the answer
+                raise self.error() from None
 
     def cut_by_shutdown(self) -> bool:
         """True inside a tracked task whose cancellation came from `expire`."""

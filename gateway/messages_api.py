@@ -38,7 +38,7 @@ from gateway.plan_worker import (
 )
 from gateway.rewrite import RequestPlan, resolve_thinking
 from gateway.sse import SseRelay
-from gateway.state import BODY_MEMORY, BUDGETS, CONTEXT, ENGINE_STATE, ENGINES, Caller
+from gateway.state import BODY_MEMORY, BUDGETS, CONTEXT, DRAIN, ENGINE_STATE, ENGINES, Caller
 from gateway.translate.anthropic_errors import (
     anthropic_error,
     anthropic_error_bytes,
@@ -206,6 +206,11 @@ def count_ask(
 async def _count_tokens(
     request: web.Request, caller: Caller, memory_hold: BodyHold
 ) -> web.Response:
+    with request.app[DRAIN].answering():
+        return await _count(request, caller, memory_hold)
+
+
+async def _count(request: web.Request, caller: Caller, memory_hold: BodyHold) -> web.Response:
     app = request.app
     live = request[CONTEXT].live
     settings = live.settings
@@ -218,7 +223,7 @@ async def _count_tokens(
             body_headers(request.headers),
             settings,
             caller.tenant,
-            "",
+            request[CONTEXT].request_id,
             live.salt_secret,
         )
         ask = await app[PLAN_WORKER].count(job, raw)

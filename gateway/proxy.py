@@ -133,6 +133,11 @@ async def plan_call(request: web.Request, call: ModelCall) -> bytes:
         PayloadTooLarge, RequestTimeout, BadRequest: the body could not be read or parsed.
         ClientError: the dialect refused the body (bad field, unknown model, policy).
     """
+    with request.app[DRAIN].answering():
+        return await _plan_call(request, call)
+
+
+async def _plan_call(request: web.Request, call: ModelCall) -> bytes:
     live = call.live
     raw = await hold_body(request, call)
     dialect = call.dialect

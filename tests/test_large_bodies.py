@@ -10,12 +10,14 @@ import gzip
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -422,3 +424,50 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("grace", [0.3, 10.0], ids=["cut_in_planning", "planned_then_refused"])
+def test_a_body_being_planned_at_sigterm_gets_a_503(sim_factory, gateway_factory, grace) -> None:
+    """SIGTERM while a large body is planned in the worker: the drain waits for it within the
+    grace; cut by the grace's end, or planned but no longer admitted, it is answered 503
+    ``shutting_down`` (not a cut connection logged as a client that left)."""
+    gw = gateway_factory(sim_factory(), {"server": {"shutdown_grace_s": grace}})
+    huge = json.dumps(many("/v1/chat/completions")).encode()
+    answer: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answer.append(post(gw, "/v1/chat/completions", huge)))
+    sender.start()
+    assert wait_until(lambda: len(worker_pids(gw)) == 1, 10)
+    time.sleep(0.1)
+    gw.proc.send_signal(signal.SIGTERM)
+    sender.join(grace + 20)
+    (r,) = answer
+    assert r.status_code == 503, r.text[:300]
+    assert r.json()["error"]["code"] == "shutting_down"
+    gw.proc.wait(grace + 10)
+    lines = [e for e in gw.access_logs() if e.get("route") == "/v1/chat/completions"]
+    assert [e["status"] for e in lines] == [503], lines
+    assert lines[0].get("reason") == "shutdown", lines
+
+
+def test_a_body_still_arriving_at_sigterm_gets_a_503_at_the_grace(
+    sim_factory, gateway_factory
+) -> None:
+    """SIGTERM while a body is still being uploaded: the drain waits for it through the grace,
+    then answers 503 ``shutting_down``."""
+    gw = gateway_factory(sim_factory(), {"server": {"shutdown_grace_s": 1.0}})
+    body = json.dumps(SMALL_CHAT).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    address = urlparse(gw.base_url)
+    with socket.create_connection((address.hostname, address.port), timeout=15) as sock:
+        sock.sendall(head + body[:10])
+        time.sleep(0.3)
+        gw.proc.send_signal(signal.SIGTERM)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 503"), received[:300]
+    assert b"shutting_down" in received
+    gw.proc.wait(10)
