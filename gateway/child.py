@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import struct
 import sys
+from pathlib import Path
 from typing import BinaryIO
 
 SLICE_BYTES = 1 << 20
@@ -38,6 +39,18 @@ def read_frame(stream: BinaryIO) -> bytes | None:
     if len(head) < LENGTH.size:
         return None
     return stream.read(LENGTH.unpack(head)[0])
+
+
+def package_root(module: str) -> str:
+    """The directory holding ``module``'s top-level package as this process imported it.
+
+    ``python -m`` puts its working directory first on ``sys.path``: started there, the helper
+    imports the very package the gateway runs, whatever directory the gateway was started in
+    (a ``gateway/`` directory of another checkout there would otherwise be imported instead).
+    """
+    top = sys.modules[module.split(".", 1)[0]]
+    assert top.__file__ is not None, "the helper's package is a regular package"
+    return str(Path(top.__file__).resolve().parent.parent)
 
 
 class Child:
@@ -72,6 +85,7 @@ class Child:
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     limit=SLICE_BYTES * 2,
+                    cwd=package_root(self.module),
                 )
             except OSError as exc:
                 raise WorkerFailed(type(exc).__name__) from exc
@@ -116,7 +130,8 @@ class Child:
         return await self.read(LENGTH.unpack(await self.read(LENGTH.size))[0])
 
     def stop(self) -> None:
-        """Kill the process now (a job was abandoned half way); the next job starts another."""
+        """Kill the process now (a job was abandoned half way, or the process is to give back
+        the memory a large job left it); the next job starts another."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):

@@ -27,11 +27,14 @@ as `gateway.body.unplannable_as_400` does in the loop).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import pickle
 import sys
 import traceback
-from collections.abc import Mapping
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -55,6 +58,13 @@ OFFLOADED_DIALECTS = ("chat", "completions", "messages", "responses")
 """Dialects the worker can plan (it rebuilds them by name)."""
 COUNT_TOKENS = "count_tokens"
 """`Job.dialect` of an Anthropic ``count_tokens`` body (`gateway.messages_api.count_ask`)."""
+PLAN_WITHIN_S = 60.0
+"""Longest wait (seconds) for each answer of the worker: a 32 MiB body plans in about 3 s on a
+2-core machine; a worker silent this long is killed and the request answered 503."""
+RECYCLE_BYTES = 8 << 20
+"""After a body larger than this (bytes) the worker is stopped, so the memory its decoding took
+(hundreds of MB for tens of MB of JSON, kept by Python's allocator) goes back; the next large
+body starts a fresh one (about 0.2 s)."""
 BODY_HEADERS = (PRIORITY_HEADER, "X-Claude-Code-Session-Id", "X-Session-Id")
 """The request headers planning reads (`gateway.waiting.background_request`,
 `gateway.affinity.session_key`), the only ones sent to the worker."""
@@ -143,6 +153,7 @@ class PlanWorker:
     def __init__(self, store: Any) -> None:
         self._child = Child("gateway.plan_worker")
         self._store = store
+        self._turns = FairTurns()
 
     async def plan(self, job: Job, raw: bytes) -> Planned:
         """`plan_body` of ``raw`` in the worker.
@@ -168,37 +179,124 @@ class PlanWorker:
         return ask
 
     async def _run(self, job: Job, raw: bytes) -> Any:
-        child = self._child
-        async with child.lock:
-            done = False
+        """One job, in its tenant's turn (`FairTurns`): tried again once in a fresh process
+        when the worker failed before it answered anything (it had died while idle)."""
+        async with self._turns.turn(job.tenant.name):
             try:
-                await child.started()
-                await child.send(frame(pickle.dumps(job)), frame(raw))
-                while True:
-                    answer = pickle.loads(await child.read_frame())
-                    if answer[0] == "get":
-                        entry = self._store.get(answer[1], answer[2])
-                        await child.send(frame(pickle.dumps(entry)))
-                        continue
-                    done = True
-                    return _outcome(answer)
-            except (
-                WorkerFailed,
-                pickle.UnpicklingError,
-                EOFError,
-                TypeError,
-                IndexError,
-                ValueError,
-            ) as exc:
-                log.error("plan_worker_failed", error=f"{type(exc).__name__}: {exc}"[:200])
-                raise PlanWorkerFailed() from exc
+                try:
+                    return await self._exchange(job, raw)
+                except _NoAnswer as first:
+                    log.warning("plan_worker_restarted", error=repr(first.__cause__)[:200])
+                try:
+                    return await self._exchange(job, raw)
+                except _NoAnswer as second:
+                    raise _failed(second.__cause__) from second.__cause__
             finally:
-                if not done:
-                    child.stop()
+                if len(raw) > RECYCLE_BYTES:
+                    self._child.stop()  # idle now: its memory goes back with it
+
+    async def _exchange(self, job: Job, raw: bytes) -> Any:
+        """The job's frames to the worker and its answers back.
+
+        Raises:
+            _NoAnswer: the worker failed before its first frame (chained to why).
+            PlanWorkerFailed: it failed later, or took `PLAN_WITHIN_S` (logged).
+        """
+        child = self._child
+        answered = done = False
+        try:
+            await child.started()
+            await child.send(frame(pickle.dumps(job)), frame(raw))
+            while True:
+                read = await asyncio.wait_for(child.read_frame(), PLAN_WITHIN_S)
+                answered = True
+                answer = pickle.loads(read)
+                if answer[0] == "get":
+                    entry = self._store.get(answer[1], answer[2])
+                    await child.send(frame(pickle.dumps(entry)))
+                    continue
+                done = True
+                return _outcome(answer)
+        except WorkerFailed as exc:
+            if not answered:
+                raise _NoAnswer() from exc
+            raise _failed(exc) from exc
+        except asyncio.TimeoutError as exc:
+            raise _failed(exc, f"no answer within {PLAN_WITHIN_S:g} s") from None
+        except (pickle.UnpicklingError, EOFError, TypeError, IndexError, ValueError) as exc:
+            raise _failed(exc) from exc
+        finally:
+            if not done:
+                child.stop()
 
     async def close(self) -> None:
         """Stop the worker process (the gateway shuts down)."""
         await self._child.close()
+
+
+class _NoAnswer(Exception):
+    """The worker failed before it sent any frame of this job."""
+
+
+def _failed(cause: BaseException | None, why: str = "") -> PlanWorkerFailed:
+    """The 503 of a job the worker could not finish, logged once as ``plan_worker_failed``."""
+    error = why or f"{type(cause).__name__}: {cause}"
+    log.error("plan_worker_failed", error=error[:200])
+    return PlanWorkerFailed()
+
+
+class FairTurns:
+    """One holder at a time; waiters are served one tenant after another (round robin, in the
+    order tenants first waited), each tenant's in the order they came.
+
+    A tenant sending many large bodies then delays another tenant's large body by at most one
+    body of each tenant waiting, not by all of its own.
+    """
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, tenant: str) -> AsyncIterator[None]:
+        """Wait for ``tenant``'s turn, hold it for the block, then hand it on."""
+        await self._acquire(tenant)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self, tenant: str) -> None:
+        if not self._busy and not self._waiting:
+            self._busy = True
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(tenant, deque()).append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._release()  # the turn came as the wait was cancelled: hand it on
+            else:
+                queue = self._waiting.get(tenant)
+                if queue is not None and waiter in queue:
+                    queue.remove(waiter)
+                    if not queue:
+                        del self._waiting[tenant]
+            raise
+
+    def _release(self) -> None:
+        while self._waiting:
+            tenant, queue = next(iter(self._waiting.items()))
+            waiter = queue.popleft()
+            if queue:
+                self._waiting.move_to_end(tenant)
+            else:
+                del self._waiting[tenant]
+            if not waiter.done():
+                waiter.set_result(None)  # still busy: the turn passes straight on
+                return
+        self._busy = False
 
 
 PLAN_WORKER = web.AppKey("plan_worker", PlanWorker)
@@ -272,38 +370,55 @@ def _finished(plan: RequestPlan) -> RequestPlan:
 
 
 def _serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
-    """The worker's loop: one body after another until stdin closes."""
+    """The worker's loop: one body after another until stdin closes. Whatever a body makes
+    planning or its answer's pickling raise is answered ``("failed", ...)``; the loop itself
+    ends only when the gateway goes (a crash is logged as JSON, as the gateway logs)."""
     from gateway.logs import configure_logging
 
     configure_logging(stream=sys.stderr)  # stdout carries the frames
     lookup = _Lookup(stdin, stdout)
-    while True:
-        head = read_frame(stdin)
-        if head is None:
-            return
-        job: Job = pickle.loads(head)
-        raw = read_frame(stdin) or b""
-        given = PlanInput(None, job.settings, job.tenant, job.request_id, job.salt_secret)
-        structlog.contextvars.bind_contextvars(request_id=job.request_id)
-        answer: tuple[Any, ...]
-        try:
-            result: Any
-            if job.dialect == COUNT_TOKENS:
-                from gateway.messages_api import count_ask
+    try:
+        while True:
+            head = read_frame(stdin)
+            if head is None:
+                return
+            job: Job = pickle.loads(head)
+            raw = read_frame(stdin) or b""
+            structlog.contextvars.bind_contextvars(request_id=job.request_id)
+            answer = _answer(job, raw, lookup)
+            del raw
+            stdout.write(frame(answer))
+            stdout.flush()
+    except (BrokenPipeError, KeyboardInterrupt):
+        return  # the gateway went
+    except Exception:
+        log.exception("plan_worker_crashed")
+        raise SystemExit(1) from None
 
-                result = count_ask(raw, job.authorization, job.headers, job.settings, job.tenant)
-            else:
-                dialect = _dialect(job.dialect, lookup)
-                planned = plan_body(dialect, raw, job.authorization, job.headers, given)
-                result = dataclasses.replace(planned, plan=_finished(planned.plan))
-            answer = ("done", result)
-        except GatewayError as exc:
-            answer = ("refused", type(exc), exc.args[0] if exc.args else "", exc.__dict__)
-        except Exception:  # what unplannable_as_400 logs: here, for the gateway to log
-            answer = ("failed", traceback.format_exc(limit=20)[-4000:])
-        del raw
-        stdout.write(frame(pickle.dumps(answer)))
-        stdout.flush()
+
+def _answer(job: Job, raw: bytes, lookup: _Lookup) -> bytes:
+    """The pickled answer to one job (see the module doc)."""
+    answer: tuple[Any, ...]
+    try:
+        result: Any
+        if job.dialect == COUNT_TOKENS:
+            from gateway.messages_api import count_ask
+
+            result = count_ask(raw, job.authorization, job.headers, job.settings, job.tenant)
+        else:
+            given = PlanInput(None, job.settings, job.tenant, job.request_id, job.salt_secret)
+            dialect = _dialect(job.dialect, lookup)
+            planned = plan_body(dialect, raw, job.authorization, job.headers, given)
+            result = dataclasses.replace(planned, plan=_finished(planned.plan))
+        answer = ("done", result)
+    except GatewayError as exc:
+        answer = ("refused", type(exc), exc.args[0] if exc.args else "", exc.__dict__)
+    except Exception:  # what unplannable_as_400 logs: here, for the gateway to log
+        answer = ("failed", traceback.format_exc(limit=20)[-4000:])
+    try:
+        return pickle.dumps(answer)
+    except Exception:  # an answer that cannot travel is the same kind of fault
+        return pickle.dumps(("failed", traceback.format_exc(limit=20)[-4000:]))
 
 
 if __name__ == "__main__":
