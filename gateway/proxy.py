@@ -51,6 +51,7 @@ from gateway.plan_worker import (
     plan_body,
 )
 from gateway.relay import ClientStalled, ClientStream, client_gone, relay_json, relay_stream
+from gateway.responses_api import STORE, chained_bytes
 from gateway.retries import (
     FLIGHTS,
     RETRY_COUNT_HEADER,
@@ -129,6 +130,10 @@ async def plan_call(request: web.Request, call: ModelCall) -> bytes:
     returns the body's bytes as received (after any ``Content-Encoding``), which the caller
     drops before it waits (`gateway.body_memory` counts them only while the body is planned).
 
+    A body over `gateway.plan_worker.OFFLOAD_BYTES`, counting the stored conversation a
+    Responses body continues (`gateway.responses_api.chained_bytes`), is planned in the worker
+    process; a smaller one here.
+
     Raises:
         PayloadTooLarge, RequestTimeout, BadRequest: the body could not be read or parsed.
         ClientError: the dialect refused the body (bad field, unknown model, policy).
@@ -143,7 +148,10 @@ async def _plan_call(request: web.Request, call: ModelCall) -> bytes:
     dialect = call.dialect
     authorization = credential(request, dialect)
     tenant = call.caller.tenant
-    if len(raw) > OFFLOAD_BYTES and dialect.name in OFFLOADED_DIALECTS:
+    weight = len(raw)
+    if dialect.name == "responses" and weight <= OFFLOAD_BYTES:
+        weight += chained_bytes(request.app[STORE], tenant.name, raw)
+    if weight > OFFLOAD_BYTES and dialect.name in OFFLOADED_DIALECTS:
         job = Job(
             dialect.name,
             authorization,

@@ -17,6 +17,7 @@ created with ``background`` (which this server does not run). With the store off
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from typing import Any
 
@@ -38,6 +39,29 @@ from gateway.translate.responses_store import ResponseStore, compact
 from gateway.translate.responses_stream import KEEPALIVE_COMMENT, ResponsesWriter
 
 STORE = web.AppKey("responses_store", ResponseStore)
+
+_PREVIOUS_ID_RE = re.compile(rb'"previous_response_id"\s*:\s*"([A-Za-z0-9_.:\-]{1,200})"')
+_PREVIOUS_IDS_LOOKED_UP = 4
+
+
+def chained_bytes(store: ResponseStore, tenant: str, raw: bytes) -> int:
+    """Bytes of the stored conversation a Responses body ``raw`` continues through its
+    ``previous_response_id`` (`Stored.size`; 0 when none is found), read from the bytes without
+    parsing them: planning such a body decodes that conversation too, so it counts toward
+    `gateway.plan_worker.OFFLOAD_BYTES` as the body does.
+
+    The key can appear unescaped in the bytes only as a key (inside a JSON string its quotes are
+    escaped), so a match is ``previous_response_id`` itself or a key of that name deeper in the
+    body; the largest of the first few entries found is taken.
+    """
+    if b'"previous_response_id"' not in raw:
+        return 0
+    sizes = [0]
+    for found in itertools.islice(_PREVIOUS_ID_RE.finditer(raw), _PREVIOUS_IDS_LOOKED_UP):
+        entry = store.get(tenant, found.group(1).decode())
+        if entry is not None:
+            sizes.append(entry.size)
+    return max(sizes)
 
 
 _ID_RE = re.compile(r"resp_[0-9a-f]{24}")

@@ -259,6 +259,29 @@ def test_stored_responses_work_from_a_large_body(sim_factory, gateway_factory) -
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_a_small_body_continuing_a_large_stored_conversation_keeps_health_fast(
+    sim_factory, gateway_factory
+) -> None:
+    """A Responses body of a few bytes whose ``previous_response_id`` names a conversation of
+    45,000 stored items is planned in the worker as a large body would be: /health and /ready
+    keep their pace while it is planned (in the event loop they waited some 0.3 s)."""
+    gw = gateway_factory(sim_factory(), {"responses": {"store": True}})
+    items = [{"type": "message", "role": "user", "content": "."} for _ in range(45_000)]
+    first = {"model": ALIAS, "input": items, "max_output_tokens": 2}
+    r = post(gw, "/v1/responses", json.dumps(first).encode())
+    assert r.status_code == 200, r.text[:300]
+    follow = {"model": ALIAS, "input": "and?", "max_output_tokens": 2}
+    small = json.dumps({**follow, "previous_response_id": r.json()["id"]}).encode()
+    started = time.monotonic()
+    r, slowest, _ = probed(gw, lambda: post(gw, "/v1/responses", small))
+    took = time.monotonic() - started
+    assert r.status_code == 200, r.text[:300]
+    assert len(engine_body(gw)["messages"]) > 45_000
+    _, control, _ = probed(gw, lambda: (time.sleep(took), post(gw, "/v1/responses", b"{}"))[1])
+    bound = max(control + 0.1, 3 * control)
+    assert slowest < bound, f"slowest probe {slowest * 1000:.0f} ms (control {control * 1000:.0f})"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
