@@ -94,7 +94,8 @@ async def _reserve(request: web.Request, call: ModelCall) -> Reservation:
 
 async def fit_default_output(request: web.Request, call: ModelCall) -> None:
     """Bound the gateway's default output budget by the room the engine's own prompt count
-    leaves: ``min(tenant max_tokens, max_model_len - count)``, written into the engine body.
+    leaves: ``min(output_cap, max_model_len - count)`` (`gateway.rewrite.RequestPlan`), written
+    into the engine body.
 
     Nothing is asked when the client set its own budget (the engine's refusal of one that does
     not fit is the client's answer) or when the prompt ceiling already leaves room for the
@@ -115,4 +116,4 @@ async def fit_default_output(request: web.Request, call: ModelCall) -> None:
     if room < 1:
         call.plan = plan  # the engine refuses the prompt itself, with its numbers
         return
-    call.plan = plan.with_default_output(min(call.caller.tenant.max_tokens, room))
+    call.plan = plan.with_default_output(min(plan.output_cap, room))

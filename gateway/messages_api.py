@@ -54,7 +54,7 @@ from gateway.upstream import tokenize_count
 
 
 def _plan(given: PlanInput) -> RequestPlan:
-    translated = translate_messages(given.body, max_model_len=given.settings.engine.max_model_len)
+    translated = translate_messages(given.body)
     return plan_translated(given, translated)
 
 
@@ -184,9 +184,7 @@ def count_ask(
     """
     client = client_body(raw, authorization)
     with unplannable_as_400():
-        translated = translate_messages(
-            client, max_model_len=settings.engine.max_model_len, count_only=True
-        )
+        translated = translate_messages(client, count_only=True)
         model = translated.chat.get("model")
         if model is not None and (not isinstance(model, str) or not settings.model.accepts(model)):
             raise ModelNotFound(model)

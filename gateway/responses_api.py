@@ -107,9 +107,7 @@ def responses_dialect(store: ResponseStore) -> Dialect:
             history = [*entry.input_items, *entry.response.get("output", [])]
             # The conversation it continues is held decoded and in the engine body.
             held_extra = entry.size + held_estimate(entry.input_json + entry.response_json)
-        translated = translate_responses(
-            body, max_model_len=given.settings.engine.max_model_len, history=history
-        )
+        translated = translate_responses(body, history=history)
         stored = given.settings.responses.store and translated.extra.get("store", True)
         translated.extra["stored"] = stored
         translated.extra["tenant"] = given.tenant.name

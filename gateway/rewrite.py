@@ -72,9 +72,12 @@ class RequestPlan:
         prompt_ceiling: prompt tokens the engine cannot exceed (`gateway.ceiling`), or its exact
             count once asked (``prompt_exact``).
         prompt_exact: ``prompt_ceiling`` is the engine's own count (``/tokenize``).
-        default_output: the engine body's output-budget field when the gateway set it from its
-            own default (the client set none; ``max_output`` then came from the prompt
-            estimate), else None: `gateway.budget.fit_default_output` makes it fit the context.
+        default_output: the engine body's output-budget field when the gateway sized it (the
+            client set none, or set one through a translated API, which cuts it to the context
+            rather than refuse it; ``max_output`` then came from the prompt estimate), else
+            None: `gateway.budget.fit_default_output` makes it fit the context.
+        output_cap: the most ``default_output`` may be: the tenant's ``max_tokens``, or the
+            budget the translated request asked for.
         held_extra: bytes of memory the request holds beyond what its client body accounts for
             (a stored conversation it continues), counted against ``server.bodies_max_bytes``.
         tokenize_body: `tokenize_ask` of ``body`` built ahead, off the event loop, for a large
@@ -93,6 +96,7 @@ class RequestPlan:
     prompt_ceiling: int = 0
     prompt_exact: bool = False
     default_output: str | None = None
+    output_cap: int = 0
     held_extra: int = 0
     tokenize_body: bytes | None = None
 
@@ -300,8 +304,16 @@ def plan_request(
     tenant: TenantSettings,
     request_id: str,
     salt_secret: bytes,
+    output_cap: int | None = None,
 ) -> RequestPlan:
     """Validate a client body and build the engine request.
+
+    With no output budget in ``body``, the gateway sizes one (``default_output``): at most
+    ``output_cap`` (default: the tenant's ``max_tokens``), cut to the room the prompt estimate
+    leaves in the context, and never absent, so the engine's own default (all the context
+    left, vLLM's ``get_max_tokens``) never passes what was reserved; when the estimate leaves
+    no room, ``min(cap, max_model_len)`` stands until the engine's count sizes it
+    (`gateway.budget.fit_default_output`).
 
     Args:
         body: the parsed JSON body.
@@ -310,6 +322,9 @@ def plan_request(
         tenant: the caller's tenant settings.
         request_id: the gateway's request id (replaces any client ``request_id``).
         salt_secret: server secret for `cache_salt`.
+        output_cap: the budget a translated request asked for (Anthropic ``max_tokens``,
+            Responses ``max_output_tokens``), cut to the context like the default instead of
+            refused; ``body`` then carries none.
 
     Raises:
         BadRequest: not an object, missing ``messages``/``prompt``, a field of the wrong type or
@@ -392,12 +407,13 @@ def plan_request(
         requested = min(COMPLETIONS_DEFAULT_MAX_TOKENS, context)
         out["max_tokens"] = requested
     default_output = None
+    cap = tenant.max_tokens if output_cap is None else output_cap
     if requested is None:
         room = context - prompt_estimate
-        max_output = max(1, min(tenant.max_tokens, room))
-        if room >= 1:
-            out[max_fields[0]] = max_output
-            default_output = max_fields[0]
+        max_output = min(cap, room) if room >= 1 else min(cap, context)
+        # A translated budget goes as the chat API's max_tokens, as the client named it.
+        default_output = max_fields[0] if output_cap is None else "max_tokens"
+        out[default_output] = max_output
     else:
         max_output = requested
         _check_context(body, max_fields, requested, context, prompts)
@@ -437,6 +453,7 @@ def plan_request(
         reserve_tokens=prompt_ceiling + max_output * sequences,
         prompt_ceiling=prompt_ceiling,
         default_output=default_output,
+        output_cap=cap,
     )
 
 

@@ -623,15 +623,13 @@ def test_c31_what_can_be_honoured_still_is() -> None:
             "tools": [{"type": "function", "name": "g"}],
         },
     }
-    out = translate_responses(body, max_model_len=8192)
+    out = translate_responses(body)
     assert [t["function"]["name"] for t in out.chat["tools"]] == ["g"]
     assert out.chat["tool_choice"] == "required" and out.dropped_tools == ["web_search"]
-    auto = translate_responses(
-        {"input": "hi", "tools": [{"type": "web_search"}]}, max_model_len=8192
-    )
+    auto = translate_responses({"input": "hi", "tools": [{"type": "web_search"}]})
     assert "tools" not in auto.chat and "tool_choice" not in auto.chat
     hosted = {**MESSAGES, "tools": [CUSTOM, HOSTED], "tool_choice": {"type": "any"}}
-    chat = translate_messages(hosted, max_model_len=8192).chat
+    chat = translate_messages(hosted).chat
     assert chat["tool_choice"] == "required" and len(chat["tools"]) == 1
 
 

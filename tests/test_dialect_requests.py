@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -9,9 +10,11 @@ from typing import Any
 import pytest
 
 from gateway.config import ConfigError, parse_settings
+from gateway.dialects import PlanInput
 from gateway.errors import BadRequest, NotFound
 from gateway.rewrite import plan_request
 from gateway.translate.anthropic_request import translate_messages
+from gateway.translate.plan import plan_translated
 from gateway.translate.responses_request import translate_responses
 
 pytestmark = pytest.mark.fast
@@ -40,14 +43,14 @@ def codex_body() -> dict[str, Any]:
 
 def test_claude_code_recorded_body_translates() -> None:
     """Claude Code's recorded first request becomes a streamed chat body with its 24 tools."""
-    out = translate_messages(claude_code_body(), max_model_len=CTX)
+    out = translate_messages(claude_code_body())
     chat = out.chat
     assert out.stream is True and chat["stream"] is True
     assert chat["stream_options"] == {"include_usage": True}
     assert len(chat["tools"]) == 24 and out.dropped_tools == []
     assert all(t["type"] == "function" and "parameters" in t["function"] for t in chat["tools"])
     assert [m["role"] for m in chat["messages"]] == ["system", "user", "user"]
-    assert chat["max_tokens"] == 32000 and out.requested_output == 32000
+    assert "max_tokens" not in chat and out.requested_output == 32000  # sized when planned
     assert "chat_template_kwargs" not in chat  # adaptive: the tenant's default decides
     for name in ("metadata", "context_management", "output_config", "thinking"):
         assert name not in chat
@@ -56,11 +59,11 @@ def test_claude_code_recorded_body_translates() -> None:
 def test_billing_header_block_is_removed() -> None:
     """The per-session x-anthropic-billing-header system block never reaches the prompt."""
     body = claude_code_body()
-    first = translate_messages(body, max_model_len=CTX).chat["messages"][0]["content"]
+    first = translate_messages(body).chat["messages"][0]["content"]
     body["system"][0]["text"] = (
         "x-anthropic-billing-header: cc_version=9.9.9.abc; cc_entrypoint=cli;"
     )
-    second = translate_messages(body, max_model_len=CTX).chat["messages"][0]["content"]
+    second = translate_messages(body).chat["messages"][0]["content"]
     assert "x-anthropic-billing-header" not in first
     assert first == second  # same prefix across sessions: prefix caching works
     assert first.startswith("You are a Claude agent")
@@ -78,7 +81,7 @@ def test_system_string_and_leading_system_messages_join_the_system_prompt() -> N
             {"role": "system", "content": [{"type": "text", "text": "Later note."}]},
         ],
     }
-    chat = translate_messages(body, max_model_len=CTX).chat
+    chat = translate_messages(body).chat
     assert chat["messages"] == [
         {"role": "system", "content": "Be brief.\n\nAlso be kind."},
         {"role": "user", "content": "hi"},
@@ -120,7 +123,7 @@ def test_tool_round_trip_history() -> None:
             },
         ],
     }
-    messages = translate_messages(body, max_model_len=CTX).chat["messages"]
+    messages = translate_messages(body).chat["messages"]
     assert messages[1] == {
         "role": "assistant",
         "content": "Checking.",
@@ -151,7 +154,7 @@ def test_tool_result_error_is_marked() -> None:
             }
         ],
     }
-    assert translate_messages(body, max_model_len=CTX).chat["messages"] == [
+    assert translate_messages(body).chat["messages"] == [
         {"role": "tool", "tool_call_id": "t", "content": "Error: boom"}
     ]
 
@@ -175,20 +178,37 @@ def test_thinking_mapping(thinking: Any, expected: Any) -> None:
     if thinking is not None:
         body["thinking"] = thinking
     body["output_config"] = {"effort": "high"}
-    chat = translate_messages(body, max_model_len=CTX).chat
+    chat = translate_messages(body).chat
     assert chat.get("chat_template_kwargs") == expected
     assert "reasoning_effort" not in chat  # effort does not switch the mode
     if thinking and thinking.get("budget_tokens"):
         assert chat["thinking_token_budget"] == 2048
 
 
+def planned_budget(body: dict[str, Any], context: int, tenant_max: int = 32_768) -> int:
+    """The output budget the engine body of Anthropic ``body`` carries, on ``context``."""
+    settings = parse_settings({"engine": {"max_model_len": context}})
+    tenant = settings.tenant("acme")
+    tenant = dataclasses.replace(tenant, max_tokens=tenant_max)
+    given = PlanInput(body, settings, tenant, "r1", b"s" * 32)
+    plan = plan_translated(given, translate_messages(body))
+    assert plan.default_output is not None
+    budget = json.loads(plan.body)[plan.default_output]
+    assert plan.max_output == budget
+    assert isinstance(budget, int)
+    return budget
+
+
 def test_max_tokens_clamped_to_context() -> None:
-    """Claude Code's 32,000 is cut to what fits in a small context, never above max_model_len."""
+    """Claude Code's 32,000 is cut to what fits in a small context, never above max_model_len,
+    and never to less than asked because of the prompt estimate alone: with no room by the
+    estimate the budget asked for stands (at most the context) until the engine's count sizes
+    it (`gateway.budget.fit_default_output`)."""
     body = claude_code_body()
-    chat = translate_messages(body, max_model_len=40_000).chat
-    assert 1 <= chat["max_tokens"] < 32000
-    tiny = translate_messages(body, max_model_len=8192).chat
-    assert tiny["max_tokens"] == 1  # the prompt alone is over: the engine's 400 says so
+    assert 1 <= planned_budget(body, 40_000) < 32000
+    assert planned_budget(body, 8192) == 8192  # the prompt alone is over: the engine's 400 says so
+    assert planned_budget({**body, "max_tokens": 16}, 8192) == 16
+    assert planned_budget({**body, "max_tokens": 16}, CTX, tenant_max=4) == 16  # asked, not default
 
 
 def test_tools_choice_and_hosted_tools() -> None:
@@ -210,7 +230,7 @@ def test_tools_choice_and_hosted_tools() -> None:
         "priority": -10,
         "request_id": "mine",
     }
-    out = translate_messages(body, max_model_len=CTX)
+    out = translate_messages(body)
     assert out.chat["tools"] == [
         {
             "type": "function",
@@ -234,7 +254,7 @@ def test_named_tool_choice_and_json_format() -> None:
         "tool_choice": {"type": "tool", "name": "f"},
         "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
     }
-    chat = translate_messages(body, max_model_len=CTX).chat
+    chat = translate_messages(body).chat
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     assert chat["response_format"]["json_schema"]["schema"] == {"type": "object"}
 
@@ -242,7 +262,7 @@ def test_named_tool_choice_and_json_format() -> None:
 def test_a_messages_request_without_model_is_for_the_served_model() -> None:
     """An absent model is accepted on Messages as on the OpenAI APIs: the one served model."""
     translated = translate_messages(
-        {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, max_model_len=CTX
+        {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
     )
     assert "model" not in translated.chat
 
@@ -321,7 +341,7 @@ def test_a_messages_request_without_model_is_for_the_served_model() -> None:
 def test_bad_messages_requests_name_the_parameter(body: dict[str, Any], param: str) -> None:
     """Each malformed request is a 400 whose param names the offending field."""
     with pytest.raises(BadRequest) as info:
-        translate_messages(body, max_model_len=CTX)
+        translate_messages(body)
     assert info.value.param == param
     assert info.value.status == 400
 
@@ -331,7 +351,7 @@ def test_count_tokens_body_needs_no_max_tokens() -> None:
     body = claude_code_body()
     body.pop("max_tokens")
     body.pop("stream")
-    out = translate_messages(body, max_model_len=CTX, count_only=True)
+    out = translate_messages(body, count_only=True)
     assert "max_tokens" not in out.chat and "stream" not in out.chat
     assert len(out.chat["tools"]) == 24
 
@@ -342,7 +362,7 @@ def test_count_tokens_body_needs_no_max_tokens() -> None:
 def test_codex_recorded_body_translates() -> None:
     """Codex's recorded request: developer prompts join the system, namespace flattened,
     web_search dropped, no output budget (the tenant cap applies)."""
-    out = translate_responses(codex_body(), max_model_len=CTX)
+    out = translate_responses(codex_body())
     chat = out.chat
     assert out.stream is True
     assert [m["role"] for m in chat["messages"]] == ["system", "user", "user"]
@@ -366,7 +386,7 @@ def test_reasoning_effort(effort: str | None, expected: str | None) -> None:
     body: dict[str, Any] = {"input": "hi", "reasoning": {"summary": "auto"}}
     if effort is not None:
         body["reasoning"]["effort"] = effort
-    assert translate_responses(body, max_model_len=CTX).chat.get("reasoning_effort") == expected
+    assert translate_responses(body).chat.get("reasoning_effort") == expected
 
 
 def test_replayed_history_items() -> None:
@@ -404,7 +424,7 @@ def test_replayed_history_items() -> None:
             {"type": "message", "role": "developer", "content": "late note"},
         ],
     }
-    out = translate_responses(body, max_model_len=CTX)
+    out = translate_responses(body)
     messages = out.chat["messages"]
     assert messages[0] == {"role": "system", "content": "Be terse."}
     assert messages[2]["reasoning"] == "Use the tool."
@@ -413,7 +433,7 @@ def test_replayed_history_items() -> None:
     assert messages[4] == {"role": "tool", "tool_call_id": "c2", "content": "noon"}
     assert messages[5] == {"role": "assistant", "content": "Sunny."}
     assert messages[6] == {"role": "user", "content": "late note"}
-    assert out.chat["max_tokens"] == 300
+    assert "max_tokens" not in out.chat and out.requested_output == 300
 
 
 def test_text_format_and_named_tool_choice() -> None:
@@ -436,7 +456,7 @@ def test_text_format_and_named_tool_choice() -> None:
         "priority": 5,
         "request_id": "r",
     }
-    chat = translate_responses(body, max_model_len=CTX).chat
+    chat = translate_responses(body).chat
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     assert chat["response_format"]["json_schema"]["name"] == "out"
     for name in ("cache_salt", "priority", "request_id"):
@@ -470,7 +490,7 @@ def test_text_format_and_named_tool_choice() -> None:
 def test_bad_responses_requests_name_the_parameter(body: dict[str, Any], param: str) -> None:
     """Each malformed Responses request is a 400 whose param names the offending field."""
     with pytest.raises(BadRequest) as info:
-        translate_responses(body, max_model_len=CTX)
+        translate_responses(body)
     assert info.value.param == param
 
 
@@ -484,7 +504,7 @@ def test_previous_history_goes_first() -> None:
             "content": [{"type": "output_text", "text": "ok"}],
         },
     ]
-    chat = translate_responses({"input": "second"}, max_model_len=CTX, history=history).chat
+    chat = translate_responses({"input": "second"}, history=history).chat
     assert [m["content"] for m in chat["messages"]] == ["first", "ok", "second"]
 
 
@@ -538,7 +558,7 @@ def test_system_messages_alone_are_refused_saying_so() -> None:
     message is needed, not that the list is empty."""
     body = {"max_tokens": 5, "messages": [{"role": "system", "content": "be brief"}]}
     with pytest.raises(BadRequest) as info:
-        translate_messages(body, max_model_len=CTX)
+        translate_messages(body)
     assert "user or assistant" in str(info.value) and "system" in str(info.value)
 
 

@@ -91,6 +91,6 @@ def test_the_recorded_claude_code_request_gets_bash() -> None:
     recorded = json.loads((RECORDED / "claude-code-first-request-tool_use-sse.json").read_text())
     body = recorded["request"]["body"]
     body = json.loads(body) if isinstance(body, str) else body
-    chat = translate_messages(body, max_model_len=254_976).chat
+    chat = translate_messages(body).chat
     assert chat["tools"][0]["function"]["name"] == "Agent"
     assert planned(chat["tools"], chat["messages"])[0] == "Bash"

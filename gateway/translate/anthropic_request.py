@@ -38,7 +38,6 @@ from gateway.errors import BadRequest, quotable
 from gateway.translate.common import (
     Translated,
     arguments_text,
-    clamp_output,
     expect,
     label,
     number,
@@ -50,12 +49,11 @@ BILLING_PREFIX = "x-anthropic-billing-header"
 _UNSUPPORTED_BLOCKS = {"image", "document", "search_result", "container_upload"}
 
 
-def translate_messages(body: Any, *, max_model_len: int, count_only: bool = False) -> Translated:
+def translate_messages(body: Any, *, count_only: bool = False) -> Translated:
     """Translate a Messages request body.
 
     Args:
         body: the parsed JSON body.
-        max_model_len: the engine's context length in tokens (for the ``max_tokens`` clamp).
         count_only: the body is a ``count_tokens`` request (no ``max_tokens``, no ``stream``).
 
     Raises:
@@ -151,7 +149,6 @@ def translate_messages(body: Any, *, max_model_len: int, count_only: bool = Fals
         if stops:
             chat["stop"] = stops
     result.requested_output = positive_int(body, "max_tokens", required=True)
-    clamp_output(chat, result.requested_output, max_model_len)
     return result
 
 

@@ -17,7 +17,6 @@ from typing import Any
 
 from gateway.body import MAX_DEPTH, nested_past
 from gateway.errors import BadRequest, EngineRejected, GatewayError, quotable
-from gateway.rewrite import estimate_prompt_tokens
 
 
 @dataclass
@@ -42,22 +41,6 @@ class Translated:
 def new_id(prefix: str) -> str:
     """A fresh public id: ``prefix`` + 24 random hex digits (no tenant or request data in it)."""
     return prefix + secrets.token_hex(12)
-
-
-def clamp_output(chat: dict[str, Any], requested: int | None, max_model_len: int) -> None:
-    """Put ``max_tokens`` in ``chat``: the requested budget cut to what fits in the context.
-
-    The engine answers 400 to any request whose output budget exceeds ``max_model_len``, and
-    older vLLM also to prompt + budget over the context (vLLM docs, "OpenAI-Compatible Server",
-    ``max_tokens``); coding clients send a fixed budget (Claude Code always 32,000) regardless of
-    the context, so the gateway clamps instead of failing every request. The prompt size is the
-    gateway's over-estimate (`gateway.rewrite.estimate_prompt_tokens`), so the clamp errs small.
-    With no budget requested, nothing is set: the tenant's cap applies in `plan_request`.
-    """
-    if requested is None:
-        return
-    room = max_model_len - estimate_prompt_tokens(chat, "chat")
-    chat["max_tokens"] = max(1, min(requested, room))
 
 
 def positive_int(body: Mapping[str, Any], name: str, *, required: bool = False) -> int | None:

@@ -31,6 +31,7 @@ def plan_translated(given: PlanInput, translated: Translated) -> TranslatedPlan:
         tenant=given.tenant,
         request_id=given.request_id,
         salt_secret=given.salt_secret,
+        output_cap=translated.requested_output,
     )
     values = {f.name: getattr(base, f.name) for f in fields(RequestPlan)}
     return TranslatedPlan(**values, translated=translated)

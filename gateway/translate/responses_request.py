@@ -37,7 +37,6 @@ from gateway.errors import BadRequest, quotable
 from gateway.translate.common import (
     Translated,
     arguments_text,
-    clamp_output,
     expect,
     label,
     number,
@@ -86,14 +85,11 @@ INCLUDES = frozenset(
 METADATA_MAX_PAIRS, METADATA_KEY_MAX, METADATA_VALUE_MAX = 16, 64, 512
 
 
-def translate_responses(
-    body: Any, *, max_model_len: int, history: list[Any] | None = None
-) -> Translated:
+def translate_responses(body: Any, *, history: list[Any] | None = None) -> Translated:
     """Translate a Responses request body.
 
     Args:
         body: the parsed JSON body.
-        max_model_len: the engine's context length in tokens (for the clamp).
         history: input and output items of the ``previous_response_id`` chain, already
             resolved by the caller (stored responses), placed before ``input``.
 
@@ -164,7 +160,6 @@ def translate_responses(
         if value is not None:
             chat[name] = value
     result.requested_output = positive_int(body, "max_output_tokens")
-    clamp_output(chat, result.requested_output, max_model_len)
     result.extra = {
         "namespaces": namespaces,
         "tools": tools if isinstance(tools, list) else [],
