@@ -55,8 +55,8 @@ ERROR_BODY_MAX_BYTES = 1 << 20
 DROP_RECHECK_S = 0.1
 """Pause before the second ``/health`` probe after a dropped connection (`Upstream.post`)."""
 HEALTH_TIMEOUT = "health timeout"
-_JSON_HEADERS = {"Content-Type": "application/json"}
 """Probe reason: no answer within the probe's timeout (a slow engine gives it too)."""
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def proves_down(reason: str | None) -> bool:
