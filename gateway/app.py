@@ -114,7 +114,8 @@ def create_app(
     app = web.Application(
         middlewares=[context_middleware, error_middleware, auth_middleware],
         client_max_size=settings.server.max_body_bytes,
-        handler_args={"max_field_size": 16384},
+        # Bodies are decoded by gateway.body.read_body, after authentication, never before.
+        handler_args={"max_field_size": 16384, "auto_decompress": False},
     )
     app[LIVE] = LiveRef(build_live(settings, keys))
     app[METRICS] = metrics

@@ -35,8 +35,21 @@ DECODED_CODINGS: tuple[str, ...] = (
     *(("br",) if compression_utils.HAS_BROTLI else ()),
     *(("zstd",) if getattr(compression_utils, "HAS_ZSTD", False) else ()),
 )
-"""The request ``Content-Encoding`` values aiohttp's server undoes before the body is read (one
-coding; it reads any other value, a list included, as the bytes they are)."""
+"""The request ``Content-Encoding`` values `read_body` undoes (one coding), with the decoders of
+aiohttp's ``compression_utils``. aiohttp's server is told not to decode bodies itself
+(``auto_decompress=False``, `gateway.app`): it would decode a body as it arrives, before the
+request is authenticated, and decode all of an unread one to keep the connection: a 1.6 KB
+brotli body of 1 GiB sent without a key held ``/health`` 1.4 s, and a hundred at once took
+the gateway's memory from 75 to 729 MiB (measured on a 2-core machine)."""
+Decoder = (
+    compression_utils.ZLibDecompressor
+    | compression_utils.BrotliDecompressor
+    | compression_utils.ZSTDDecompressor
+)
+"""aiohttp's decoder of one coding, as `read_body` uses it."""
+DECODE_STEP_BYTES = 1 << 20
+"""Most decoded bytes one call of a decoder makes; `read_body` lets other requests run after
+each such step, so decoding a body up to its limit never holds the event loop for long."""
 
 
 def check_content_encoding(request: web.BaseRequest) -> None:
@@ -59,53 +72,6 @@ def check_content_encoding(request: web.BaseRequest) -> None:
     raise unsupported_content_encoding()
 
 
-def decoded_coding(request: web.BaseRequest) -> bool:
-    """True when aiohttp undoes the request body's ``Content-Encoding`` as it is read (one of
-    `DECODED_CODINGS`, as `check_content_encoding` reads the header)."""
-    lines = request.headers.getall("Content-Encoding", ())
-    return len(lines) == 1 and lines[0].strip(" \t").lower() in DECODED_CODINGS
-
-
-DISCARD_WITHIN_S = 10.0
-"""Longest time (seconds) spent discarding an unread encoded body: aiohttp's lingering time."""
-
-
-async def answer_then_discard(
-    request: web.BaseRequest, response: web.StreamResponse, limit: int
-) -> None:
-    """Send ``response`` now, then discard what is left of a request body that aiohttp decodes
-    (`decoded_coding`) and the handler did not read, at most ``limit`` decoded bytes and
-    `DISCARD_WITHIN_S`, yielding to the event loop after each read; past either bound the
-    connection is closed once the response is out.
-
-    aiohttp itself would read the rest of an unread body after the response to keep the
-    connection (its "lingering" read), decoding it in one stretch of the event loop: a
-    1.6 KB brotli body of 1 GiB of spaces sent to a route answering 401 held ``/health`` for
-    1.4 s (measured on a 2-core machine). The response says ``Connection: close``: a body
-    refused before it was read ends its connection, as nginx does.
-    """
-    if not response.prepared:
-        response.force_close()
-        await response.prepare(request)
-        await response.write_eof()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DISCARD_WITHIN_S
-    content = request.content
-    size = 0
-    with contextlib.suppress(asyncio.TimeoutError, HttpProcessingError, RequestPayloadError):
-        while not content.is_eof() and size <= limit:
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            chunk = await asyncio.wait_for(content.readany(), left)
-            if not chunk:
-                break
-            size += len(chunk)
-            await asyncio.sleep(0)
-    if not content.is_eof():
-        request.protocol.force_close()  # the response is written: closing flushes it first
-
-
 def unsupported_content_encoding() -> UnsupportedContentEncoding:
     """The 415 of a body in a ``Content-Encoding`` not undone (see `check_content_encoding`;
     aiohttp's parser refuses ``br`` or ``zstd`` itself when their library is missing)."""
@@ -117,31 +83,71 @@ def unsupported_content_encoding() -> UnsupportedContentEncoding:
     )
 
 
+def _decoder(coding: str, first: bytes) -> Decoder:
+    """The decoder of ``coding`` (one of `DECODED_CODINGS`), chosen by the body's ``first``
+    bytes for ``deflate``: RFC 9110 means the zlib format, and some clients send raw deflate
+    (as aiohttp's client reads it too)."""
+    if coding == "br":
+        return compression_utils.BrotliDecompressor()
+    if coding == "zstd":
+        return compression_utils.ZSTDDecompressor()
+    raw_deflate = coding == "deflate" and first[0] & 0x0F != 8
+    return compression_utils.ZLibDecompressor(encoding=coding, suppress_deflate_header=raw_deflate)
+
+
+def _coding(request: web.BaseRequest) -> str:
+    """The body's ``Content-Encoding`` as `check_content_encoding` accepted it, lower case;
+    ``""`` for none or ``identity``."""
+    coding = request.headers.get("Content-Encoding", "").strip(" \t").lower()
+    return "" if coding == "identity" else coding
+
+
+def _undecodable() -> BadRequest:
+    return BadRequest("The request body could not be decoded with its Content-Encoding.")
+
+
 async def read_body(
     request: web.Request,
     limit: int,
     idle_timeout: float,
     received: Callable[[int], None] | None = None,
 ) -> bytes:
-    """The request body, reading no further than ``limit`` bytes (case C16).
+    """The request body, reading and decoding no further than ``limit`` bytes (case C16).
 
-    ``received`` is called with the bytes received so far (after any ``Content-Encoding`` is
-    undone) each time a read adds to them, before they are kept; what it raises ends the read.
+    A body in one of `DECODED_CODINGS` is decoded here, after the request was authenticated, at
+    most `DECODE_STEP_BYTES` at a time with other requests run between steps; its compressed
+    bytes count toward ``limit`` as well, so a stream that decodes to nothing cannot run on.
+    ``received`` is called with the bytes received so far (decoded) each time a read adds to
+    them, before they are kept; what it raises ends the read.
 
     Raises:
         UnsupportedContentEncoding: a ``Content-Encoding`` that is not undone
             (`check_content_encoding`), before any byte is read.
-        PayloadTooLarge: ``Content-Length`` or the bytes received exceed ``limit`` (after any
-            ``Content-Encoding`` is undone, so a compression bomb stops at the limit too).
+        PayloadTooLarge: ``Content-Length``, the bytes received or the bytes decoded exceed
+            ``limit`` (a compression bomb stops at the limit too).
         RequestTimeout: no byte arrived for ``idle_timeout`` seconds.
-        BadRequest: the body does not match its ``Content-Encoding``.
+        BadRequest: the body does not match its ``Content-Encoding``, or its framing broke.
     """
     check_content_encoding(request)
     too_large = PayloadTooLarge(f"Request body too large: the limit is {limit} bytes.")
     if request.content_length is not None and request.content_length > limit:
         raise too_large
+    coding = _coding(request)
+    decoder: Decoder | None = None
     chunks: list[bytes] = []
-    size = 0
+    size = wire = 0
+
+    def keep(piece: bytes) -> None:
+        nonlocal size
+        if not piece:
+            return
+        size += len(piece)
+        if size > limit:
+            raise too_large
+        if received is not None:
+            received(size)
+        chunks.append(piece)
+
     content = request.content
     try:
         while True:
@@ -157,25 +163,61 @@ async def read_body(
                 ) from None
             except (HttpProcessingError, RequestPayloadError):
                 raise BadRequest(
-                    "The request body could not be decoded with its Content-Encoding.",
+                    "The request body's framing is broken.",
                     headers={"Connection": "close"},  # aiohttp's parser is broken: it closes
                 ) from None
             if not chunk:
                 break
-            size += len(chunk)
-            if size > limit:
+            wire += len(chunk)
+            if wire > limit:
                 raise too_large
-            if received is not None:
-                received(size)
-            chunks.append(chunk)
+            if not coding:
+                keep(chunk)
+            else:
+                if decoder is None:
+                    decoder = _decoder(coding, chunk)
+                await _decode(decoder, chunk, keep)
             if content.at_eof():  # read whole (the usual body, in one read): no further call
                 break
+        if decoder is not None:
+            _finish(decoder, coding, keep)
     except BaseException:
         # A refused body's traceback holds this frame until the cycle collector runs: the
         # bytes read so far go now, as the hold that counted them does.
         chunks.clear()
         raise
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _decode(
+    decoder: Decoder,
+    chunk: bytes,
+    keep: Callable[[bytes], None],
+) -> None:
+    """Decode ``chunk`` and all it makes, `DECODE_STEP_BYTES` a call, to ``keep``; yield to
+    the event loop between calls."""
+    try:
+        keep(decoder.decompress_sync(chunk, DECODE_STEP_BYTES))
+        while decoder.data_available:
+            await asyncio.sleep(0)
+            keep(decoder.decompress_sync(b"", DECODE_STEP_BYTES))
+    except GatewayError:
+        raise
+    except Exception:  # zlib.error, brotli.error, ZstdError, too many members
+        raise _undecodable() from None
+
+
+def _finish(decoder: Decoder, coding: str, keep: Callable[[bytes], None]) -> None:
+    """The body ended: what the decoder still holds, and a ``deflate`` stream must be whole
+    (aiohttp's own check; a gzip body cut after its last whole block still decodes)."""
+    try:
+        keep(decoder.flush())
+    except GatewayError:
+        raise
+    except Exception:
+        raise _undecodable() from None
+    if coding == "deflate" and not getattr(decoder, "eof", True):
+        raise _undecodable()
 
 
 def _reject_constant(name: str) -> Any:

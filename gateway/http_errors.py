@@ -26,11 +26,9 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
-from gateway.body import unsupported_content_encoding
 from gateway.config import UNKNOWN_TENANT
 from gateway.dialects import CHAT, Dialect
 from gateway.errors import BadRequest, GatewayError, HttpError, MethodNotAllowed, NotFound
@@ -51,10 +49,6 @@ def error_for(exc: BaseException | None, status: int) -> GatewayError:
     """
     if isinstance(exc, UnicodeError):
         return BadRequest("The request holds text that is not valid UTF-8.")
-    if isinstance(exc, ContentEncodingError):
-        # Raised by the parser for a coding it knows but cannot undo here (``br``, ``zstd``
-        # without their library); a body that fails its coding fails in `read_body` instead.
-        return unsupported_content_encoding()
     if isinstance(exc, web.HTTPException):
         status = exc.status
     if status == 400:
@@ -205,8 +199,8 @@ class GatewayRequestHandler(RequestHandler):
         """aiohttp's log of an exception on a connection, quieter for a request body at fault.
 
         After an answer, aiohttp reads what is left of an unread body before it reuses the
-        connection; a body that failed its ``Content-Encoding`` (the 400 went out already) or
-        broke its framing raises `RequestPayloadError` there, which aiohttp logs at error level
+        connection; a body that broke its framing (the 400 went out already) raises
+        `RequestPayloadError` there, which aiohttp logs at error level
         with a traceback: one debug line instead, since any client can send one. Anything else
         is logged as aiohttp does.
         """

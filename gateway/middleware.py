@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 from aiohttp import HttpVersion11, web
 
-from gateway.body import answer_then_discard, check_content_encoding, decoded_coding
+from gateway.body import check_content_encoding
 from gateway.dialects import CHAT, Dialect
 from gateway.errors import (
     BadRequest,
@@ -122,7 +122,6 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         context.dialect = dialect
     request[CONTEXT] = context
     structlog.contextvars.bind_contextvars(request_id=request_id)
-    finished = False
     try:
         try:
             response = await handler(request)
@@ -132,12 +131,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
             response = _unexpected(request, context, exc)
         if not context.status:
             context.status = response.status
-        if not response.prepared:
-            response.headers["x-request-id"] = request_id
-        if not request.content.is_eof() and decoded_coding(request):
-            finished = True
-            finish_request(request, context)
-            await answer_then_discard(request, response, live.settings.server.max_body_bytes)
+        response.headers["x-request-id"] = request_id
         return response
     except asyncio.CancelledError:
         if not context.status:  # a status already sent stands (the client left after it)
@@ -146,8 +140,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
             context.reason = context.reason or gone
         raise
     finally:
-        if not finished:
-            finish_request(request, context)
+        finish_request(request, context)
         structlog.contextvars.unbind_contextvars("request_id")
 
 

@@ -34,9 +34,9 @@ import pickle
 import sys
 import traceback
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import structlog
 from aiohttp import web
@@ -51,6 +51,7 @@ from gateway.rewrite import RequestPlan, tokenize_ask
 from gateway.waiting import PRIORITY_HEADER, background_request
 
 log = structlog.get_logger("gateway.plan_worker")
+T = TypeVar("T")
 
 OFFLOAD_BYTES = 1 << 20
 """Bodies larger than this (bytes, after any ``Content-Encoding``) are planned in the worker."""
@@ -59,8 +60,9 @@ OFFLOADED_DIALECTS = ("chat", "completions", "messages", "responses")
 COUNT_TOKENS = "count_tokens"
 """`Job.dialect` of an Anthropic ``count_tokens`` body (`gateway.messages_api.count_ask`)."""
 PLAN_WITHIN_S = 60.0
-"""Longest wait (seconds) for each answer of the worker: a 32 MiB body plans in about 3 s on a
-2-core machine; a worker silent this long is killed and the request answered 503."""
+"""Longest time (seconds) one job may take, from sending its body to the worker's answer: a
+32 MiB body plans in about 3 s on a 2-core machine; a worker that takes this long (stopped,
+stuck) is killed and the request answered 503."""
 RECYCLE_BYTES = 8 << 20
 """After a body larger than this (bytes) the worker is stopped, so the memory its decoding took
 (hundreds of MB for tens of MB of JSON, kept by Python's allocator) goes back; the next large
@@ -200,20 +202,27 @@ class PlanWorker:
 
         Raises:
             _NoAnswer: the worker failed before its first frame (chained to why).
-            PlanWorkerFailed: it failed later, or took `PLAN_WITHIN_S` (logged).
+            PlanWorkerFailed: it failed later, or the job (sending the body included) took
+                `PLAN_WITHIN_S` (logged).
         """
         child = self._child
         answered = done = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PLAN_WITHIN_S
+
+        async def within(step: Awaitable[T]) -> T:
+            return await asyncio.wait_for(step, max(0.0, deadline - loop.time()))
+
         try:
             await child.started()
-            await child.send(frame(pickle.dumps(job)), frame(raw))
+            await within(child.send(frame(pickle.dumps(job)), frame(raw)))
             while True:
-                read = await asyncio.wait_for(child.read_frame(), PLAN_WITHIN_S)
+                read = await within(child.read_frame())
                 answered = True
                 answer = pickle.loads(read)
                 if answer[0] == "get":
                     entry = self._store.get(answer[1], answer[2])
-                    await child.send(frame(pickle.dumps(entry)))
+                    await within(child.send(frame(pickle.dumps(entry))))
                     continue
                 done = True
                 return _outcome(answer)

@@ -125,8 +125,8 @@ def test_an_unread_compressed_body_is_not_decoded_in_the_event_loop(
     stack: Gateway, coding: str, method: str, path: str, status: int
 ) -> None:
     """A compressed body of 1 GiB sent to a route that answers without reading it: the client
-    gets its answer with ``Connection: close``, and /health and /ready keep their pace (aiohttp
-    would decode the whole GiB after the answer, in one stretch, to keep the connection)."""
+    gets its answer, and /health and /ready keep their pace (aiohttp, decoding bodies itself,
+    decoded the whole GiB after the answer, in one stretch, to keep the connection)."""
     compressed = bomb(coding)
     headers = {"Content-Encoding": coding, "Content-Type": "application/json"}
     if status == 405:
@@ -136,7 +136,6 @@ def test_an_unread_compressed_body_is_not_decoded_in_the_event_loop(
         lambda: httpx.request(method, stack.url(path), content=compressed, headers=headers),
     )
     assert r.status_code == status, r.text[:300]
-    assert r.headers["Connection"] == "close"
     assert slowest < 0.25, f"slowest probe {slowest * 1000:.0f} ms"
     r = httpx.post(
         stack.url("/v1/chat/completions"),
