@@ -46,6 +46,9 @@ class ServerSettings:
     body uploads (then 408); ``client_write_timeout_s`` the longest a client may leave a stream
     unread before it counts as gone (499) and its engine request is aborted, so a stalled reader
     cannot hold the engine's only slot. nginx uses 60 s for the same three.
+    ``plan_timeout_s`` bounds the work on one body over 1 MiB in the plan worker
+    (`gateway.plan_worker`), from sending it the body to its answer (a 32 MiB body takes about
+    3 s); a worker that takes longer is stopped and the request gets 503.
 
     TLS: with ``tls_cert_file`` (PEM chain) and ``tls_key_file`` (PEM key) the listener serves
     HTTPS only (TLS 1.2 and 1.3, Python's default cipher policy); both files are re-read on
@@ -76,6 +79,7 @@ class ServerSettings:
     drain_delay_s: float = 0.0
     keepalive_timeout_s: float = 60.0
     body_timeout_s: float = 60.0
+    plan_timeout_s: float = 60.0
     client_write_timeout_s: float = 60.0
     tls_cert_file: str = ""
     tls_key_file: str = ""

@@ -25,6 +25,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "server.drain_delay_s": (0, 600),
     "server.keepalive_timeout_s": (1, 3600),
     "server.body_timeout_s": (0.1, 3600),
+    "server.plan_timeout_s": (0.1, 3600),
     "server.client_write_timeout_s": (0.1, 3600),
     "server.sse_keepalive_s": (0, 3600),
     "server.sse_progress_event_s": (0, 3600),

@@ -59,10 +59,6 @@ OFFLOADED_DIALECTS = ("chat", "completions", "messages", "responses")
 """Dialects the worker can plan (it rebuilds them by name)."""
 COUNT_TOKENS = "count_tokens"
 """`Job.dialect` of an Anthropic ``count_tokens`` body (`gateway.messages_api.count_ask`)."""
-PLAN_WITHIN_S = 60.0
-"""Longest time (seconds) one job may take, from sending its body to the worker's answer: a
-32 MiB body plans in about 3 s on a 2-core machine; a worker that takes this long (stopped,
-stuck) is killed and the request answered 503."""
 RECYCLE_BYTES = 8 << 20
 """After a body larger than this (bytes) the worker is stopped, so the memory its decoding took
 (hundreds of MB for tens of MB of JSON, kept by Python's allocator) goes back; the next large
@@ -203,12 +199,13 @@ class PlanWorker:
         Raises:
             _NoAnswer: the worker failed before its first frame (chained to why).
             PlanWorkerFailed: it failed later, or the job (sending the body included) took
-                `PLAN_WITHIN_S` (logged).
+                ``server.plan_timeout_s`` (logged).
         """
         child = self._child
         answered = done = False
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + PLAN_WITHIN_S
+        within_s = job.settings.server.plan_timeout_s
+        deadline = loop.time() + within_s
 
         async def within(step: Awaitable[T]) -> T:
             return await asyncio.wait_for(step, max(0.0, deadline - loop.time()))
@@ -231,7 +228,7 @@ class PlanWorker:
                 raise _NoAnswer() from exc
             raise _failed(exc) from exc
         except asyncio.TimeoutError as exc:
-            raise _failed(exc, f"no answer within {PLAN_WITHIN_S:g} s") from None
+            raise _failed(exc, f"no answer within {within_s:g} s") from None
         except (pickle.UnpicklingError, EOFError, TypeError, IndexError, ValueError) as exc:
             raise _failed(exc) from exc
         finally:

@@ -567,3 +567,26 @@ def test_tenants_take_turns_at_the_worker(sim_factory, gateway_factory) -> None:
     assert [status for _, status in done] == [400] * 5, done
     assert [tenant for tenant, _ in done].index("beta") <= 2, done
     assert wait_until(lambda: worker_pids(gw) == [], 5)
+
+
+def test_a_stuck_worker_costs_a_503_after_the_plan_timeout(sim_factory, gateway_factory) -> None:
+    """A worker that stops answering (here SIGSTOP, so it reads nothing: sending it a body of
+    several MB blocks on the pipe) is given ``server.plan_timeout_s`` for the whole job, then
+    killed: the request gets a 503 with ``Retry-After``, and the next large body a fresh
+    worker."""
+    gw = gateway_factory(sim_factory(), {"server": {"plan_timeout_s": 2.0}})
+    text = escaped("Count the words here. " * 9_000)
+    ok = json.dumps({"model": ALIAS, "messages": [{"role": "user", "content": "@@"}]}).encode()
+    ok = ok.replace(b"@@", text.encode())
+    assert post(gw, "/v1/chat/completions", ok).status_code == 200
+    (pid,) = worker_pids(gw)
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    r = post(gw, "/v1/chat/completions", ok, timeout=30)
+    took = time.monotonic() - started
+    assert r.status_code == 503, r.text[:300]
+    assert r.headers["Retry-After"] == "1"
+    assert 1.9 < took < 10, took
+    assert wait_until(lambda: not alive(pid), 5)
+    assert any("within 2 s" in e.get("error", "") for e in gw.logs())
+    assert post(gw, "/v1/chat/completions", ok).status_code == 200
