@@ -102,6 +102,10 @@ def _coding(request: web.BaseRequest) -> str:
     return "" if coding == "identity" else coding
 
 
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"Request body too large: the limit is {limit} bytes.")
+
+
 def _undecodable() -> BadRequest:
     return BadRequest("The request body could not be decoded with its Content-Encoding.")
 
@@ -129,9 +133,8 @@ async def read_body(
         BadRequest: the body does not match its ``Content-Encoding``, or its framing broke.
     """
     check_content_encoding(request)
-    too_large = PayloadTooLarge(f"Request body too large: the limit is {limit} bytes.")
     if request.content_length is not None and request.content_length > limit:
-        raise too_large
+        raise _too_large(limit)
     coding = _coding(request)
     decoder: Decoder | None = None
     chunks: list[bytes] = []
@@ -143,7 +146,7 @@ async def read_body(
             return
         size += len(piece)
         if size > limit:
-            raise too_large
+            raise _too_large(limit)
         if received is not None:
             received(size)
         chunks.append(piece)
@@ -170,7 +173,7 @@ async def read_body(
                 break
             wire += len(chunk)
             if wire > limit:
-                raise too_large
+                raise _too_large(limit)
             if not coding:
                 keep(chunk)
             else:
