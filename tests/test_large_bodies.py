@@ -590,3 +590,26 @@ def test_a_stuck_worker_costs_a_503_after_the_plan_timeout(sim_factory, gateway_
     assert wait_until(lambda: not alive(pid), 5)
     assert any("within 2 s" in e.get("error", "") for e in gw.logs())
     assert post(gw, "/v1/chat/completions", ok).status_code == 200
+
+
+def test_refused_bodies_free_their_memory_with_their_answer(stack: Gateway) -> None:
+    """Thirty compressed bombs (each decoded to the 32 MiB limit, then 413) and thirty bodies of
+    900 KB refused for a bad field (400): the gateway's memory does not grow with them (each
+    refused body's frames used to stay, 3-10 MiB a request, until a rare garbage collection)."""
+    from tests.test_memory_bounds import rss_kib
+
+    zstd_bomb = bomb("zstd")
+    bad = json.dumps({**SMALL_CHAT, "max_tokens": "x", "pad": "p" * 900_000}).encode()
+    before = rss_kib(stack.proc.pid)
+    with httpx.Client(timeout=60, headers={**OPENAI, "Content-Type": "application/json"}) as client:
+        for _ in range(30):
+            r = client.post(
+                stack.url("/v1/chat/completions"),
+                content=zstd_bomb,
+                headers={"Content-Encoding": "zstd"},
+            )
+            assert r.status_code == 413, r.text[:300]
+            r = client.post(stack.url("/v1/chat/completions"), content=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    grown = (rss_kib(stack.proc.pid) - before) // 1024
+    assert grown < 100, f"the gateway grew by {grown} MiB"
