@@ -9,8 +9,8 @@ cut, and its access line says ``reason="shutdown"``, not a client disconnect.
 A request path takes part by running its engine call inside ``with drain.track():`` and, when
 it catches `asyncio.CancelledError`, asking `Drain.cut_by_shutdown` whether the cancellation was
 the drain's, in which case it ends its response with `Drain.error` and returns instead of
-re-raising. Stages before any answer (reading and planning the body) run inside
-``with drain.answering():``, which does both and answers the 503.
+re-raising. The whole request runs inside ``with drain.answering():``, so the drain also waits
+for the stages before the engine, and one cut there is answered 503.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Drain:
         self.expired = False
         self.forced = False
         self.began_at: float | None = None
-        self._tasks: set[asyncio.Task[object]] = set()
+        self._tasks: dict[asyncio.Task[object], int] = {}  # task: how many `track`s hold it
 
     @staticmethod
     def error() -> EngineUnavailable:
@@ -67,31 +67,36 @@ class Drain:
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
-        """Register the current task as a model request the drain waits for and may end."""
+        """Register the current task as a model request the drain waits for and may end, until
+        the outermost ``track`` of the task ends (they nest)."""
         task = asyncio.current_task()
         if task is None:  # pragma: no cover - always inside a handler task
             yield
             return
-        self._tasks.add(task)
+        self._tasks[task] = self._tasks.get(task, 0) + 1
         try:
             yield
         finally:
-            self._tasks.discard(task)
+            held = self._tasks.pop(task) - 1
+            if held:
+                self._tasks[task] = held
 
     @contextlib.contextmanager
     def answering(self) -> Iterator[None]:
-        """`track` a stage that has sent nothing yet (reading and planning a body, a count):
-        the drain waits for it, and its cancellation by `expire` becomes `error` raised, a 503
-        the error middleware answers, not a connection cut as if the client had left.
+        """`track` a whole model request, from reading its body to its answer: the drain waits
+        for it at every stage (the body, its plan, a prompt count before admission, the queue,
+        the engine), and a cancellation by `expire` that reaches here (a stage that had sent
+        nothing yet: the engine stage ends its own answer) becomes `error` raised, a 503 the
+        error middleware answers, not a connection cut as if the client had left.
 
         Raises:
-            EngineUnavailable: the grace ended during the stage (`error`).
+            EngineUnavailable: the grace ended before the request had sent anything (`error`).
         """
         with self.track():
             try:
                 yield
             except asyncio.CancelledError:
-                if not self.cut_by_shutdown():
+                if self.forced or not self.cut_by_shutdown():
                     raise
                 task = asyncio.current_task()
                 if task is not None and hasattr(task, "uncancel"):

@@ -138,11 +138,6 @@ async def plan_call(request: web.Request, call: ModelCall) -> bytes:
         PayloadTooLarge, RequestTimeout, BadRequest: the body could not be read or parsed.
         ClientError: the dialect refused the body (bad field, unknown model, policy).
     """
-    with request.app[DRAIN].answering():
-        return await _plan_call(request, call)
-
-
-async def _plan_call(request: web.Request, call: ModelCall) -> bytes:
     live = call.live
     raw = await hold_body(request, call)
     dialect = call.dialect
@@ -188,6 +183,12 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
         error = Drain.error()
         error.headers["Connection"] = "close"
         raise error
+    with app[DRAIN].answering():
+        return await _handle_call(request, call)
+
+
+async def _handle_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
+    app = request.app
     raw = await plan_call(request, call)
     settings = call.settings.retries
     if not settings.enabled:
