@@ -60,7 +60,8 @@ class Child:
         module: the module run as ``python -m module``; it must read frames on its stdin and
             write them on its stdout until its stdin closes.
 
-    A job takes `lock` for its whole exchange; a job abandoned half way (its request cancelled,
+    A job holds the process for its whole exchange (`lock`, or its user's own turns, as
+    `gateway.plan_worker.FairTurns`); a job abandoned half way (its request cancelled,
     the helper silent) calls `stop`, so the next job starts a fresh process rather than reading
     the rest of an old answer.
     """
