@@ -47,9 +47,11 @@ Decoder = (
     | compression_utils.ZSTDDecompressor
 )
 """aiohttp's decoder of one coding, as `read_body` uses it."""
-DECODE_STEP_BYTES = 1 << 20
-"""Most decoded bytes one call of a decoder makes; `read_body` lets other requests run after
-each such step, so decoding a body up to its limit never holds the event loop for long."""
+STEP_BYTES = 1 << 20
+"""The most of a body one stretch of the event loop works on: bytes one call of a decoder makes
+(`read_body`), or of a body estimated (`gateway.body_memory.held_estimate_in_steps`) or hashed
+(`gateway.retries.body_digest`). Other requests run after each step, so work over a body up to
+its limit never holds the event loop for long (a step takes about a millisecond)."""
 
 
 def check_content_encoding(request: web.BaseRequest) -> None:
@@ -119,7 +121,7 @@ async def read_body(
     """The request body, reading and decoding no further than ``limit`` bytes (case C16).
 
     A body in one of `DECODED_CODINGS` is decoded here, after the request was authenticated, at
-    most `DECODE_STEP_BYTES` at a time with other requests run between steps; its compressed
+    most `STEP_BYTES` at a time with other requests run between steps; its compressed
     bytes count toward ``limit`` as well, so a stream that decodes to nothing cannot run on.
     ``received`` is called with the bytes received so far (decoded) each time a read adds to
     them, before they are kept; what it raises ends the read.
@@ -197,13 +199,13 @@ async def _decode(
     chunk: bytes,
     keep: Callable[[bytes], None],
 ) -> None:
-    """Decode ``chunk`` and all it makes, `DECODE_STEP_BYTES` a call, to ``keep``; yield to
+    """Decode ``chunk`` and all it makes, `STEP_BYTES` a call, to ``keep``; yield to
     the event loop between calls."""
     try:
-        keep(decoder.decompress_sync(chunk, DECODE_STEP_BYTES))
+        keep(decoder.decompress_sync(chunk, STEP_BYTES))
         while decoder.data_available:
             await asyncio.sleep(0)
-            keep(decoder.decompress_sync(b"", DECODE_STEP_BYTES))
+            keep(decoder.decompress_sync(b"", STEP_BYTES))
     except GatewayError:
         raise
     except Exception:  # zlib.error, brotli.error, ZstdError, too many members

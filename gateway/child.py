@@ -102,8 +102,9 @@ class Child:
             raise WorkerFailed("not started")
         try:
             for part in parts:
-                for start in range(0, len(part), SLICE_BYTES):
-                    proc.stdin.write(part[start : start + SLICE_BYTES])
+                view = memoryview(part)  # slices of a view: the part is never copied here
+                for start in range(0, len(view), SLICE_BYTES):
+                    proc.stdin.write(view[start : start + SLICE_BYTES])
                     await proc.stdin.drain()
         except (OSError, RuntimeError) as exc:
             raise WorkerFailed(type(exc).__name__) from exc

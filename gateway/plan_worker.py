@@ -43,7 +43,7 @@ from aiohttp import web
 
 from gateway.affinity import session_key
 from gateway.body import client_body, unplannable_as_400
-from gateway.child import Child, WorkerFailed, frame, read_frame
+from gateway.child import LENGTH, Child, WorkerFailed, frame, read_frame
 from gateway.config import Settings, TenantSettings
 from gateway.dialects import Dialect, PlanInput
 from gateway.errors import BadRequest, GatewayError, PlanWorkerFailed
@@ -212,7 +212,8 @@ class PlanWorker:
 
         try:
             await child.started()
-            await within(child.send(frame(pickle.dumps(job)), frame(raw)))
+            # The body's length, then the body itself: `frame` would copy it in one stretch.
+            await within(child.send(frame(pickle.dumps(job)), LENGTH.pack(len(raw)), raw))
             while True:
                 read = await within(child.read_frame())
                 answered = True

@@ -195,7 +195,7 @@ async def _handle_call(request: web.Request, call: ModelCall) -> web.StreamRespo
         del raw
         return await run_call(request, call)
     flights = app[FLIGHTS]
-    digest = body_digest(call.context.route, raw)
+    digest = await body_digest(call.context.route, raw)
     del raw
     key = idempotency_key(request)
     tenant = call.caller.tenant.name

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from gateway.body_memory import BodyHold, BodyMemory, held_estimate
+from gateway.body import STEP_BYTES
+from gateway.body_memory import BodyHold, BodyMemory, held_estimate, held_estimate_in_steps
 from gateway.errors import EngineUnavailable, PayloadTooLarge, RateLimited
 from gateway.metrics import Metrics
 from gateway.state import BODY_MEMORY
@@ -95,6 +96,21 @@ def test_estimate_bounds_the_parsed_size_of_generated_bodies(value: Any, ascii_o
     bytes of bookkeeping."""
     raw = json.dumps({"v": [value, value]}, ensure_ascii=ascii_only).encode()
     assert held_estimate(raw) + 256 >= parsed_bytes(raw)
+
+
+@pytest.mark.parametrize("marker", ["\\ud83d", "\\u00e9", "😀", "é", '{"k": [1, 2]}'])
+@pytest.mark.parametrize("offset", range(-5, 2))
+def test_the_estimate_in_steps_is_the_estimate(marker: str, offset: int) -> None:
+    """A body over one step is estimated in steps (the event loop runs between them) to the
+    same number as in one pass, whatever straddles the seam between two steps: an escaped
+    surrogate, an escape, a character past U+FFFF, a non-ASCII one, structure."""
+    text = marker.encode()
+    start = STEP_BYTES + offset
+    raw = b'{"a": "' + b"x" * (start - 7) + text + b"x" * STEP_BYTES + b'"}'
+    assert raw[start : start + len(text)] == text
+    assert asyncio.run(held_estimate_in_steps(raw)) == held_estimate(raw)
+    plain = raw.replace(text, b"x" * len(text))
+    assert held_estimate(plain) <= held_estimate(raw)  # the marker is what the seam must find
 
 
 def bound(limit: int = 10_000) -> BodyMemory:
