@@ -122,10 +122,12 @@ class _Tally:
 
     def estimate(self) -> int:
         """The estimate of everything added (`held_estimate`)."""
-        if self.astral or self.surrogate:
+        if self.astral or self.surrogate:  # PEP 393: 4 bytes a character in the string
             wide = 4
+        elif self.escape or not self.ascii:  # an escape may stand for any character
+            wide = 2
         else:
-            wide = 2 if self.escape or not self.ascii else 1
+            wide = 1
         return wide * self.size + self.structure
 
 
