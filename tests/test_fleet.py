@@ -329,6 +329,11 @@ def test_poison_request_reaches_two_deaths_across_hosts(
         assert wait_until(lambda: restarters[1].crashes == 1, 5)
         for gw in gws:
             assert wait_until(lambda gw=gw: _ready(gw), 15)
+            # Each gateway takes the shared view every sync_interval_s (the second death may
+            # reach Redis a health poll after the engine died): sent before, the request
+            # would go to host A's engine again, as it should.
+            shared = lambda gw=gw: gw.metric("gateway_quarantine_entries") >= 1  # noqa: E731
+            assert wait_until(shared, 10)
             got = _until_status(lambda gw=gw: chat(gw.base_url, KEY_B, "poison", **poison), 422)
             assert got.json()["error"]["code"] == "request_quarantined"
         time.sleep(0.5)
