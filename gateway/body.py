@@ -54,10 +54,15 @@ STEP_BYTES = 1 << 20
 its limit never holds the event loop for long (a step takes about a millisecond)."""
 
 
+ALIASES = {"x-gzip": "gzip"}
+"""Other names of `DECODED_CODINGS`: RFC 9110 section 8.4.1.3 asks a recipient to take
+``x-gzip`` as ``gzip``."""
+
+
 def check_content_encoding(request: web.BaseRequest) -> None:
     """Refuse a body whose ``Content-Encoding`` would not be undone: anything but none,
-    ``identity`` or one of `DECODED_CODINGS` (ASCII, any case, in one header line, as aiohttp
-    reads it; two lines are a list of codings, RFC 9110 section 5.3).
+    ``identity``, one of `DECODED_CODINGS` or of their `ALIASES` (ASCII, any case, in one
+    header line, as aiohttp reads it; two lines are a list of codings, RFC 9110 section 5.3).
 
     Raises:
         UnsupportedContentEncoding: 415 with ``Accept-Encoding`` naming `DECODED_CODINGS`; the
@@ -69,7 +74,7 @@ def check_content_encoding(request: web.BaseRequest) -> None:
     coding = lines[0].strip(" \t")  # only HTTP's own whitespace (RFC 9110 section 5.6.3)
     if len(lines) == 1 and coding.isascii():
         coding = coding.lower()
-        if coding in ("", "identity") or coding in DECODED_CODINGS:
+        if coding in ("", "identity") or ALIASES.get(coding, coding) in DECODED_CODINGS:
             return
     raise unsupported_content_encoding()
 
@@ -98,10 +103,10 @@ def _decoder(coding: str, first: bytes) -> Decoder:
 
 
 def _coding(request: web.BaseRequest) -> str:
-    """The body's ``Content-Encoding`` as `check_content_encoding` accepted it, lower case;
-    ``""`` for none or ``identity``."""
+    """The body's ``Content-Encoding`` as `check_content_encoding` accepted it, lower case, an
+    alias by its name (`ALIASES`); ``""`` for none or ``identity``."""
     coding = request.headers.get("Content-Encoding", "").strip(" \t").lower()
-    return "" if coding == "identity" else coding
+    return "" if coding == "identity" else ALIASES.get(coding, coding)
 
 
 def _too_large(limit: int) -> PayloadTooLarge:
