@@ -52,6 +52,7 @@ from gateway.responses_api import (
     cancel_response,
     delete_response,
     get_response,
+    list_input_items,
     make_store,
     responses_dialect,
 )
@@ -215,8 +216,11 @@ def create_app(
     app.router.add_get(stored, get_response, allow_head=False, expect_handler=expect_continue)
     app.router.add_delete(stored, delete_response, expect_handler=expect_continue)
     app.router.add_post(stored + "/cancel", cancel_response, expect_handler=expect_continue)
+    items = stored + "/input_items"
+    app.router.add_get(items, list_input_items, allow_head=False, expect_handler=expect_continue)
     app[DIALECTS][stored] = responses
     app[DIALECTS][stored + "/cancel"] = responses
+    app[DIALECTS][items] = responses
     # Every route takes `expect_continue`: aiohttp's default answers an unknown expectation
     # with a text page quoting the header (a 500 when it holds a lone surrogate).
     for path, get_handler, head in (

@@ -42,6 +42,7 @@ ROUTES = (
     "/v1/responses",
     "/v1/responses/{response_id}",
     "/v1/responses/{response_id}/cancel",
+    "/v1/responses/{response_id}/input_items",
     "/v1/models",
     "/v1/models/{id}",
     "/v1/usage",

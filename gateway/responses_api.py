@@ -10,19 +10,25 @@ Stored responses (``[responses] store``, off by default): a request with ``store
 kept in a `ResponseStore` once complete; ``GET /v1/responses/{id}``, ``DELETE`` and
 ``previous_response_id`` see only the creating tenant's responses (another tenant gets 404);
 ``POST /v1/responses/{id}/cancel`` answers 400, as OpenAI does for a response that was not
-created with ``background`` (which this server does not run). With the store off,
+created with ``background`` (which this server does not run). ``GET
+/v1/responses/{id}/input_items`` lists the items that produced a stored response, a page at a
+time (`list_input_items`). With the store off,
 ``previous_response_id`` is a 400 and the retrieval routes answer 404.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import hashlib
 import itertools
+import json
 import re
 from typing import Any
 
 from aiohttp import web
 
+from gateway.body import STEP_BYTES
 from gateway.body_memory import held_estimate
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput
@@ -207,3 +213,144 @@ async def cancel_response(request: web.Request) -> web.Response:
     raise BadRequest(
         "Only responses created with background=true can be cancelled.", param="response_id"
     )
+
+
+INPUT_ITEMS_DEFAULT_LIMIT = 20
+INPUT_ITEMS_MAX_LIMIT = 100
+"""``limit`` of ``GET /v1/responses/{id}/input_items``: 1 to 100, 20 when absent (OpenAI API
+reference, "List input items")."""
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{response_id}/input_items``: the items that produced the caller's
+    stored response, in OpenAI's list shape ``{"object": "list", "data": [...], "first_id",
+    "last_id", "has_more"}`` (OpenAI API reference, "List input items").
+
+    The items are the response's input and, for a response that continued another through
+    ``previous_response_id``, the conversation before it (the input and output it was made
+    from), oldest first; ``order`` is ``desc`` (newest first) unless ``asc``. A page holds
+    ``limit`` items (1-100, default 20) after the item ``after`` names or before the one
+    ``before`` names. ``include`` is accepted and changes nothing: nothing beyond the items is
+    stored. Each item is listed as `listed_item` makes it, with the id `item_id` gives it.
+
+    Raises:
+        NotFound: no stored response of the caller's tenant has that id (another tenant's
+            included), or the store is off.
+        BadRequest: ``limit`` is not an integer from 1 to 100, ``order`` is neither ``asc``
+            nor ``desc``, or ``after`` or ``before`` names no item of the response.
+    """
+    tenant, store = _tenant_and_store(request)
+    response_id = request.match_info["response_id"]
+    entry = store.get(tenant, response_id)
+    if entry is None:
+        raise _not_found(response_id)
+    query = request.query
+    limit = _page_limit(query.get("limit"))
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest("'order' must be 'asc' or 'desc'.", param="order")
+    spans = await _item_spans(entry.input_json.decode())
+    if order == "desc":
+        spans.reverse()
+    ids = [span[0] for span in spans]
+    start, end = 0, len(spans)
+    if "after" in query:
+        start = _position(ids, query["after"], "after") + 1
+    if "before" in query:
+        end = _position(ids, query["before"], "before")
+    if "before" in query and "after" not in query:
+        start = max(start, end - limit)  # the page just before the item named
+    page = [listed_item(item_id, item) for item_id, item in spans[start : min(end, start + limit)]]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + len(page) < end,
+        }
+    )
+
+
+_ITEM_DECODER = json.JSONDecoder()
+
+
+async def _item_spans(text: str) -> list[tuple[str, Any]]:
+    """Each item of a stored input (``text``, its compact JSON array, `compact`) with its id
+    (`item_id`), decoded one item at a time, other requests run after each
+    `gateway.body.STEP_BYTES` of it: a stored conversation can hold megabytes."""
+    spans: list[tuple[str, Any]] = []
+    position, last = 1, len(text) - 1  # inside the brackets; compact JSON has no spaces
+    pause = STEP_BYTES
+    while position < last:
+        item, stop = _ITEM_DECODER.raw_decode(text, position)
+        spans.append((item_id(len(spans), item, text[position:stop]), item))
+        position = stop + 1  # past the comma
+        if position > pause:
+            pause = position + STEP_BYTES
+            await asyncio.sleep(0)
+    return spans
+
+
+def item_id(index: int, item: Any, encoded: str) -> str:
+    """The id an input item is listed with: its own ``id`` when it has one, else ``msg_`` (a
+    message) or ``item_`` and 32 hex digits of SHA-256 of its place in the conversation and its
+    compact JSON (``encoded``). The same item has the same id on every call, and under every
+    later response that continues the conversation (it keeps its place and its JSON there)."""
+    own = item.get("id") if isinstance(item, dict) else None
+    if isinstance(own, str) and own:
+        return own
+    digest = hashlib.sha256(f"{index}:{encoded}".encode()).hexdigest()[:32]
+    message = isinstance(item, dict) and item.get("type", "message") == "message"
+    return ("msg_" if message else "item_") + digest
+
+
+def listed_item(listed_id: str, item: Any) -> dict[str, Any]:
+    """One stored input item as OpenAI lists it, with the id ``listed_id``: a message gets
+    ``type`` ``message``, its text content as one content part (``input_text``, or
+    ``output_text`` for an assistant's) and ``status`` ``completed``; other items are listed as
+    stored."""
+    listed = dict(item) if isinstance(item, dict) else {"type": "message", "content": item}
+    if "type" not in listed:
+        listed["type"] = "message"
+    if listed["type"] == "message":
+        listed.setdefault("role", "user")
+        content = listed.get("content")
+        if isinstance(content, str):
+            part = "output_text" if listed["role"] == "assistant" else "input_text"
+            text: dict[str, Any] = {"type": part, "text": content}
+            if part == "output_text":
+                text["annotations"] = []
+            listed["content"] = [text]
+        listed.setdefault("status", "completed")
+    listed["id"] = listed_id
+    return listed
+
+
+def _page_limit(given: str | None) -> int:
+    """``limit`` as an int within 1-100 (`INPUT_ITEMS_MAX_LIMIT`), the default when absent.
+
+    Raises:
+        BadRequest: anything else (the value is not quoted).
+    """
+    if given is None:
+        return INPUT_ITEMS_DEFAULT_LIMIT
+    if given.isascii() and given.isdigit() and len(given) <= 3:
+        limit = int(given)
+        if 1 <= limit <= INPUT_ITEMS_MAX_LIMIT:
+            return limit
+    raise BadRequest(
+        f"'limit' must be an integer from 1 to {INPUT_ITEMS_MAX_LIMIT}.", param="limit"
+    )
+
+
+def _position(ids: list[str], wanted: str, param: str) -> int:
+    """Where the item ``wanted`` is in ``ids`` (the first of that id).
+
+    Raises:
+        BadRequest: no item of the response has that id (the value is not quoted).
+    """
+    try:
+        return ids.index(wanted)
+    except ValueError:
+        raise BadRequest(f"'{param}' names no item of this response.", param=param) from None

@@ -200,6 +200,54 @@ def test_stored_responses_are_tenant_scoped(gw: Gateway) -> None:
         a.responses.retrieve(first.id)
 
 
+def test_input_items_list_the_conversation_a_page_at_a_time(gw: Gateway) -> None:
+    """``responses.input_items.list`` through the SDK: the items that produced a stored
+    response (the conversation it continued, then its own input), newest first unless
+    ``order=asc``, in pages the SDK follows by ``after``; the same ids on every call; another
+    tenant's 404; a bad ``limit``, ``order`` or cursor a 400 naming the parameter."""
+    a, b = client(gw, KEY_A), client(gw, KEY_B)
+    first = a.responses.create(
+        model="qwen3.8-27b",
+        input=[
+            {"role": "system", "content": "Be brief."},
+            {"id": "msg_mine", "type": "message", "role": "user", "content": "Remember 42."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Also 7."}]},
+        ],
+        store=True,
+    )
+    second = a.responses.create(
+        model="qwen3.8-27b", input="What numbers?", previous_response_id=first.id, store=True
+    )
+    listed = list(a.responses.input_items.list(second.id, order="asc", limit=2))
+    expected = 3 + len(first.output) + 1
+    assert len(listed) == expected, listed
+    outputs = [item.type for item in first.output]  # reasoning, then the answer
+    assert [item.type for item in listed] == ["message"] * 3 + outputs + ["message"]
+    assert listed[1].id == "msg_mine"
+    assert len({item.id for item in listed}) == expected
+    messages = [item for item in listed if item.type == "message"]
+    texts = [item.content[0].text for item in messages]  # type: ignore[union-attr]
+    assert texts[:3] == ["Be brief.", "Remember 42.", "Also 7."]
+    assert texts[-1] == "What numbers?"
+    assert messages[-1].content[0].type == "input_text"  # type: ignore[union-attr]
+    assert messages[3].role == "assistant"  # type: ignore[union-attr]
+    newest = a.responses.input_items.list(second.id, limit=1)
+    assert [item.id for item in newest.data] == [listed[-1].id] and newest.has_more
+    again = [item.id for item in a.responses.input_items.list(second.id, order="asc")]
+    assert again == [item.id for item in listed]
+    # The first response's items have the ids they have under the second.
+    page = a.responses.input_items.list(first.id, order="asc", after=listed[0].id)
+    assert [item.id for item in page.data] == [item.id for item in listed[1:3]]
+    assert not page.has_more and page.last_id == listed[2].id
+    with pytest.raises(openai.NotFoundError):
+        b.responses.input_items.list(second.id)
+    for bad in ({"limit": 0}, {"limit": 101}, {"order": "sideways"}, {"after": "msg_nope"}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            a.responses.input_items.list(second.id, **bad)  # type: ignore[arg-type]
+        assert refused.value.param == next(iter(bad)), bad
+        assert "nope" not in str(refused.value.body)
+
+
 def test_errors_in_openai_shape_with_string_codes(gw: Gateway) -> None:
     """401 invalid_api_key, 429 rate_limit_exceeded, 404 model, 400 naming the parameter."""
     with pytest.raises(openai.AuthenticationError) as bad:
