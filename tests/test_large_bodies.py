@@ -281,6 +281,39 @@ def test_a_small_body_continuing_a_large_stored_conversation_keeps_health_fast(
     assert slowest < bound, f"slowest probe {slowest * 1000:.0f} ms (control {control * 1000:.0f})"
 
 
+def test_listing_the_items_of_a_large_stored_conversation_keeps_health_fast(
+    sim_factory, gateway_factory
+) -> None:
+    """``GET /v1/responses/{id}/input_items`` of a stored response made from 30,000 items:
+    pages of it in either order, their cursors followed, while /health and /ready keep their
+    pace (the conversation is decoded one item at a time with the loop run between)."""
+    gw = gateway_factory(sim_factory(), {"responses": {"store": True}})
+    items = [{"type": "message", "role": "user", "content": f"m{i}"} for i in range(30_000)]
+    body = {"model": ALIAS, "input": items, "max_output_tokens": 2}
+    r = post(gw, "/v1/responses", json.dumps(body).encode())
+    assert r.status_code == 200, r.text[:300]
+    url = gw.url(f"/v1/responses/{r.json()['id']}/input_items")
+    first = httpx.get(url, params={"order": "asc", "limit": 100}, headers=OPENAI, timeout=30)
+    assert first.status_code == 200, first.text[:300]
+    page = first.json()
+    assert [i["content"][0]["text"] for i in page["data"]] == [f"m{i}" for i in range(100)]
+    assert page["has_more"] and page["last_id"] == page["data"][-1]["id"]
+
+    def last_page() -> httpx.Response:
+        return httpx.get(url, params={"limit": 2}, headers=OPENAI, timeout=30)
+
+    started = time.monotonic()
+    newest, slowest, _ = probed(gw, last_page)
+    took = time.monotonic() - started
+    assert [i["content"][0]["text"] for i in newest.json()["data"]] == ["m29999", "m29998"]
+    after = {"order": "asc", "after": page["last_id"], "limit": 1}
+    nxt = httpx.get(url, params=after, headers=OPENAI, timeout=30).json()
+    assert [i["content"][0]["text"] for i in nxt["data"]] == ["m100"]
+    _, control, _ = probed(gw, lambda: (time.sleep(took), httpx.get(gw.url("/v1/models")))[1])
+    bound = max(control + 0.1, 3 * control)
+    assert slowest < bound, f"slowest probe {slowest * 1000:.0f} ms (control {control * 1000:.0f})"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
