@@ -59,6 +59,10 @@ OFFLOADED_DIALECTS = ("chat", "completions", "messages", "responses")
 """Dialects the worker can plan (it rebuilds them by name)."""
 COUNT_TOKENS = "count_tokens"
 """`Job.dialect` of an Anthropic ``count_tokens`` body (`gateway.messages_api.count_ask`)."""
+INPUT_ITEMS = "input_items"
+"""`Job.dialect` of a page of a stored response's input items
+(`gateway.translate.responses_items.items_page`): the body is the stored input, the
+``headers`` the page's query parameters."""
 RECYCLE_BYTES = 8 << 20
 """After a body larger than this (bytes) the worker is stopped, so the memory its decoding took
 (hundreds of MB for tens of MB of JSON, kept by Python's allocator) goes back; the next large
@@ -175,6 +179,18 @@ class PlanWorker:
         ask = await self._run(job, raw)
         assert isinstance(ask, CountAsk), "the worker answers a count job with a count ask"
         return ask
+
+    async def list_items(self, job: Job, stored: bytes) -> bytes:
+        """`gateway.translate.responses_items.items_page` of ``stored`` in the worker
+        (``job.dialect`` is `INPUT_ITEMS`, ``job.headers`` the query): the page's JSON.
+
+        Raises:
+            GatewayError: what ``items_page`` raises, rebuilt from the worker's answer.
+            PlanWorkerFailed: the worker died or broke the protocol (logged).
+        """
+        page = await self._run(job, stored)
+        assert isinstance(page, bytes), "the worker answers a listing job with its page"
+        return page
 
     async def _run(self, job: Job, raw: bytes) -> Any:
         """One job, in its tenant's turn (`FairTurns`): tried again once in a fresh process
@@ -412,6 +428,10 @@ def _answer(job: Job, raw: bytes, lookup: _Lookup) -> bytes:
             from gateway.messages_api import count_ask
 
             result = count_ask(raw, job.authorization, job.headers, job.settings, job.tenant)
+        elif job.dialect == INPUT_ITEMS:
+            from gateway.translate.responses_items import items_page
+
+            result = items_page(raw, job.headers)
         else:
             given = PlanInput(None, job.settings, job.tenant, job.request_id, job.salt_secret)
             dialect = _dialect(job.dialect, lookup)

@@ -12,27 +12,24 @@ kept in a `ResponseStore` once complete; ``GET /v1/responses/{id}``, ``DELETE`` 
 ``POST /v1/responses/{id}/cancel`` answers 400, as OpenAI does for a response that was not
 created with ``background`` (which this server does not run). ``GET
 /v1/responses/{id}/input_items`` lists the items that produced a stored response, a page at a
-time (`list_input_items`). With the store off,
+time (`list_input_items`, `gateway.translate.responses_items`). With the store off,
 ``previous_response_id`` is a 400 and the retrieval routes answer 404.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import hashlib
 import itertools
-import json
 import re
 from typing import Any
 
 from aiohttp import web
 
-from gateway.body import STEP_BYTES
 from gateway.body_memory import held_estimate
 from gateway.config import Settings
 from gateway.dialects import Dialect, PlanInput
 from gateway.errors import BadRequest, GatewayError, NotFound, quotable
+from gateway.plan_worker import INPUT_ITEMS, PLAN_WORKER, Job
 from gateway.rewrite import RequestPlan
 from gateway.sse import SseRelay
 from gateway.state import CONTEXT
@@ -40,6 +37,7 @@ from gateway.translate.chat_events import answer_events
 from gateway.translate.plan import TranslatedPlan, plan_translated
 from gateway.translate.relay import TranslatingRelay, Writer
 from gateway.translate.responses_errors import failure_code, responses_error_bytes
+from gateway.translate.responses_items import items_page
 from gateway.translate.responses_request import translate_responses
 from gateway.translate.responses_store import ResponseStore, compact
 from gateway.translate.responses_stream import KEEPALIVE_COMMENT, ResponsesWriter
@@ -215,150 +213,46 @@ async def cancel_response(request: web.Request) -> web.Response:
     )
 
 
-INPUT_ITEMS_DEFAULT_LIMIT = 20
-INPUT_ITEMS_MAX_LIMIT = 100
-"""``limit`` of ``GET /v1/responses/{id}/input_items``: 1 to 100, 20 when absent (OpenAI API
-reference, "List input items")."""
+LISTED_IN_LOOP_BYTES = 64 * 1024
+"""Stored inputs up to this size (bytes of JSON, about a thousand short items) are listed in the
+event loop; a larger one in the plan worker (`gateway.plan_worker`), since listing decodes
+every item once (about 10 µs each) and a single item can hold megabytes."""
+PAGE_PARAMS = ("limit", "order", "after", "before")
+"""The query parameters a page of input items reads (the first of each when repeated)."""
 
 
 async def list_input_items(request: web.Request) -> web.Response:
-    """``GET /v1/responses/{response_id}/input_items``: the items that produced the caller's
-    stored response, in OpenAI's list shape ``{"object": "list", "data": [...], "first_id",
-    "last_id", "has_more"}`` (OpenAI API reference, "List input items").
-
-    The items are the response's input and, for a response that continued another through
-    ``previous_response_id``, the conversation before it (the input and output it was made
-    from), oldest first; ``order`` is ``desc`` (newest first) unless ``asc``. A page holds
-    ``limit`` items (1-100, default 20) after the item ``after`` names or before the one
-    ``before`` names. ``include`` is accepted and changes nothing: nothing beyond the items is
-    stored. Each item is listed as `listed_item` makes it, with the id `item_id` gives it.
+    """``GET /v1/responses/{response_id}/input_items``: a page of the items that produced the
+    caller's stored response (`gateway.translate.responses_items.items_page`): its input and,
+    for a response that continued another through ``previous_response_id``, the conversation
+    before it.
 
     Raises:
         NotFound: no stored response of the caller's tenant has that id (another tenant's
             included), or the store is off.
-        BadRequest: ``limit`` is not an integer from 1 to 100, ``order`` is neither ``asc``
-            nor ``desc``, or ``after`` or ``before`` names no item of the response.
+        BadRequest: a bad ``limit``, ``order`` or cursor (`items_page`).
+        PlanWorkerFailed: a large entry's worker died twice (503).
     """
     tenant, store = _tenant_and_store(request)
     response_id = request.match_info["response_id"]
     entry = store.get(tenant, response_id)
     if entry is None:
         raise _not_found(response_id)
-    query = request.query
-    limit = _page_limit(query.get("limit"))
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise BadRequest("'order' must be 'asc' or 'desc'.", param="order")
-    text = entry.input_json.decode()
-    spans = await _item_spans(text)
-    if order == "desc":
-        spans.reverse()
-    ids = [span[0] for span in spans]
-    start, end = 0, len(spans)
-    if "after" in query:
-        start = _position(ids, query["after"], "after") + 1
-    if "before" in query:
-        end = _position(ids, query["before"], "before")
-    if "before" in query and "after" not in query:
-        start = max(start, end - limit)  # the page just before the item named
-    page = [
-        listed_item(item_id, json.loads(text[begin:stop]))
-        for item_id, begin, stop in spans[start : min(end, start + limit)]
-    ]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": start + len(page) < end,
-        }
-    )
-
-
-_ITEM_DECODER = json.JSONDecoder()
-_ITEMS_PER_STEP = 256
-"""Items `_item_spans` decodes between two runs of the event loop (about 10 µs each)."""
-
-
-async def _item_spans(text: str) -> list[tuple[str, int, int]]:
-    """Each item of a stored input (``text``, its compact JSON array, `compact`): its id
-    (`item_id`) and where its JSON starts and stops in ``text``. Decoded one item at a time and
-    dropped, other requests run after each `gateway.body.STEP_BYTES` of it or each
-    `_ITEMS_PER_STEP` items: a stored conversation can hold megabytes and tens of thousands of
-    items, and only a page of it is listed."""
-    spans: list[tuple[str, int, int]] = []
-    position, last = 1, len(text) - 1  # inside the brackets; compact JSON has no spaces
-    pause = STEP_BYTES
-    while position < last:
-        item, stop = _ITEM_DECODER.raw_decode(text, position)
-        spans.append((item_id(len(spans), item, text[position:stop]), position, stop))
-        position = stop + 1  # past the comma
-        if position > pause or len(spans) % _ITEMS_PER_STEP == 0:
-            pause = position + STEP_BYTES
-            await asyncio.sleep(0)
-    return spans
-
-
-def item_id(index: int, item: Any, encoded: str) -> str:
-    """The id an input item is listed with: its own ``id`` when it has one, else ``msg_`` (a
-    message) or ``item_`` and 32 hex digits of SHA-256 of its place in the conversation and its
-    compact JSON (``encoded``). The same item has the same id on every call, and under every
-    later response that continues the conversation (it keeps its place and its JSON there)."""
-    own = item.get("id") if isinstance(item, dict) else None
-    if isinstance(own, str) and own:
-        return own
-    digest = hashlib.sha256(f"{index}:{encoded}".encode()).hexdigest()[:32]
-    message = isinstance(item, dict) and item.get("type", "message") == "message"
-    return ("msg_" if message else "item_") + digest
-
-
-def listed_item(listed_id: str, item: Any) -> dict[str, Any]:
-    """One stored input item as OpenAI lists it, with the id ``listed_id``: a message gets
-    ``type`` ``message``, its text content as one content part (``input_text``, or
-    ``output_text`` for an assistant's) and ``status`` ``completed``; other items are listed as
-    stored."""
-    listed = dict(item) if isinstance(item, dict) else {"type": "message", "content": item}
-    if "type" not in listed:
-        listed["type"] = "message"
-    if listed["type"] == "message":
-        listed.setdefault("role", "user")
-        content = listed.get("content")
-        if isinstance(content, str):
-            part = "output_text" if listed["role"] == "assistant" else "input_text"
-            text: dict[str, Any] = {"type": part, "text": content}
-            if part == "output_text":
-                text["annotations"] = []
-            listed["content"] = [text]
-        listed.setdefault("status", "completed")
-    listed["id"] = listed_id
-    return listed
-
-
-def _page_limit(given: str | None) -> int:
-    """``limit`` as an int within 1-100 (`INPUT_ITEMS_MAX_LIMIT`), the default when absent.
-
-    Raises:
-        BadRequest: anything else (the value is not quoted).
-    """
-    if given is None:
-        return INPUT_ITEMS_DEFAULT_LIMIT
-    if given.isascii() and given.isdigit() and len(given) <= 3:
-        limit = int(given)
-        if 1 <= limit <= INPUT_ITEMS_MAX_LIMIT:
-            return limit
-    raise BadRequest(
-        f"'limit' must be an integer from 1 to {INPUT_ITEMS_MAX_LIMIT}.", param="limit"
-    )
-
-
-def _position(ids: list[str], wanted: str, param: str) -> int:
-    """Where the item ``wanted`` is in ``ids`` (the first of that id).
-
-    Raises:
-        BadRequest: no item of the response has that id (the value is not quoted).
-    """
-    try:
-        return ids.index(wanted)
-    except ValueError:
-        raise BadRequest(f"'{param}' names no item of this response.", param=param) from None
+    query = {name: request.query[name] for name in PAGE_PARAMS if name in request.query}
+    if len(entry.input_json) <= LISTED_IN_LOOP_BYTES:
+        page = items_page(entry.input_json, query)
+    else:
+        context = request[CONTEXT]
+        assert context.caller is not None, "authentication runs first"
+        live = context.live
+        job = Job(
+            INPUT_ITEMS,
+            None,
+            query,
+            live.settings,
+            context.caller.tenant,
+            context.request_id,
+            live.salt_secret,
+        )
+        page = await request.app[PLAN_WORKER].list_items(job, entry.input_json)
+    return web.Response(body=page, content_type="application/json")

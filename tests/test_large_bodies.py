@@ -284,11 +284,12 @@ def test_a_small_body_continuing_a_large_stored_conversation_keeps_health_fast(
 def test_listing_the_items_of_a_large_stored_conversation_keeps_health_fast(
     sim_factory, gateway_factory
 ) -> None:
-    """``GET /v1/responses/{id}/input_items`` of a stored response made from 30,000 items:
-    pages of it in either order, their cursors followed, while /health and /ready keep their
-    pace (the conversation is decoded one item at a time with the loop run between)."""
+    """``GET /v1/responses/{id}/input_items`` of a stored response made from 30,000 items, one
+    of them megabytes long: pages of it in either order, their cursors followed, while /health
+    and /ready keep their pace (a stored input that large is listed in the plan worker)."""
     gw = gateway_factory(sim_factory(), {"responses": {"store": True}})
     items = [{"type": "message", "role": "user", "content": f"m{i}"} for i in range(30_000)]
+    items[0]["junk"] = [0] * 1_000_000  # one item of megabytes, never sent to the engine
     body = {"model": ALIAS, "input": items, "max_output_tokens": 2}
     r = post(gw, "/v1/responses", json.dumps(body).encode())
     assert r.status_code == 200, r.text[:300]
