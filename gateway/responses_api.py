@@ -71,13 +71,13 @@ def chained_bytes(store: ResponseStore, tenant: str, raw: bytes) -> int:
 _ID_RE = re.compile(r"resp_[0-9a-f]{24}")
 
 
-def _not_found(response_id: str, param: str = "response_id") -> NotFound:
+def _not_found(response_id: str, param: str = "response_id", note: str = "") -> NotFound:
     """404 for an id the caller has no stored response under, naming where it came from
     (``param``: the route's ``response_id``, or the body's ``previous_response_id``); the id is
     quoted when it has the shape of this server's ids (`gateway.translate.common.new_id`), else
-    only when `quotable`."""
+    only when `quotable`; ``note`` follows (why none can be found)."""
     shown = response_id if _ID_RE.fullmatch(response_id) else quotable(response_id)
-    return NotFound(f"Response with id '{shown}' not found.", param=param)
+    return NotFound(f"Response with id '{shown}' not found.{note}", param=param)
 
 
 def make_store(settings: Settings, clock: Any) -> ResponseStore:
@@ -178,7 +178,8 @@ def _tenant_and_store(request: web.Request) -> tuple[str, ResponseStore]:
     context = request[CONTEXT]
     assert context.caller is not None, "authentication runs first"
     if not context.live.settings.responses.store:
-        raise _not_found(request.match_info["response_id"])
+        note = " This server does not store responses."
+        raise _not_found(request.match_info["response_id"], note=note)
     return context.caller.tenant.name, request.app[STORE]
 
 

@@ -272,13 +272,16 @@ def test_errors_in_openai_shape_with_string_codes(gw: Gateway) -> None:
 
 
 def test_store_off_refuses_previous_response_id(sim_factory: Any, gateway_factory: Any) -> None:
-    """With stored responses off (the default): previous_response_id is a 400, GET a 404."""
+    """With stored responses off (the default): previous_response_id is a 400, GET a 404 that
+    says the server stores none."""
     gw = gateway_factory(sim_factory())
     c = client(gw)
     response = c.responses.create(model="qwen3.8-27b", input="x", store=True)
     assert response.store is False
-    with pytest.raises(openai.NotFoundError):
-        c.responses.retrieve(response.id)
+    for read in (c.responses.retrieve, c.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError) as missing:
+            read(response.id)
+        assert "does not store responses" in missing.value.message
     with pytest.raises(openai.BadRequestError) as refused:
         c.responses.create(model="qwen3.8-27b", input="y", previous_response_id=response.id)
     assert refused.value.param == "previous_response_id"
