@@ -14,7 +14,7 @@ Ids: an item's own ``id``, else one made from its place and its JSON (`item_id`)
 item has the same id on every call and under every later response that continues the
 conversation. Ids within one listing are unique (a cursor names one item): an own id already
 used earlier in the conversation (a client that sent a previous response's output items again
-as input) is listed with the made id instead.
+as input), or longer than `MAX_OWN_ID_CHARS`, is listed with the made id instead.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from gateway.errors import BadRequest
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
 """``limit``: 1 to 100, 20 when absent (OpenAI API reference, "List input items")."""
+MAX_OWN_ID_CHARS = 256
+"""The longest own ``id`` an item is listed with; a longer one gets a made id, since a cursor
+must fit in a URL (aiohttp reads request lines up to 8,190 bytes)."""
 COMPLETED_TYPES = frozenset({"message", "function_call", "function_call_output"})
 """Item types OpenAI lists with a ``status`` (``completed`` when the item has none)."""
 
@@ -119,11 +122,14 @@ def _spans(text: str) -> list[tuple[str, int, int]]:
     while position < last:
         item, stop = _DECODER.raw_decode(text, position)
         own = item.get("id") if isinstance(item, dict) else None
-        listed = own if isinstance(own, str) and own and own not in used else None
+        usable = isinstance(own, str) and 0 < len(own) <= MAX_OWN_ID_CHARS
+        listed = own if usable and own not in used else None
         if listed is None:
-            listed = item_id(len(spans), item, text[position:stop])
-            if listed in used:  # a client's own id shaped as a made one
-                listed = f"{listed}_{len(spans)}"
+            made = listed = item_id(len(spans), item, text[position:stop])
+            suffix = len(spans)
+            while listed in used:  # a client's own ids shaped as made ones
+                listed = f"{made}_{suffix}"
+                suffix += 1
         used.add(listed)
         spans.append((listed, position, stop))
         position = stop + 1  # past the comma
@@ -138,7 +144,7 @@ def _limit(given: str | None) -> int:
     """
     if given is None:
         return DEFAULT_LIMIT
-    if given.isascii() and given.isdigit() and len(given) <= 3:
+    if given.isascii() and given.isdigit() and len(given) <= 8:
         limit = int(given)
         if 1 <= limit <= MAX_LIMIT:
             return limit
