@@ -422,7 +422,7 @@ def test_c10b_non_stream_disconnect_aborts_engine(stack: Gateway) -> None:
 ENGINE_ROUTES = [
     "/invocations", "/tokenize", "/detokenize", "/pause", "/sleep", "/wake_up",
     "/reset_prefix_cache", "/collective_rpc", "/scale_elastic_ep", "/generative_scoring",
-    "/server_info", "/start_profile", "/v1/load_lora_adapter", "/v1/messages/batches", "/v1/responses/resp_1/input_items",
+    "/server_info", "/start_profile", "/v1/load_lora_adapter", "/v1/messages/batches", "/v1/responses/resp_1/items",
     "/inference/v1/generate", "/docs", "/openapi.json", "/version", "/metrics",
     "/v1//chat/completions", "/v1/chat/completions/render", "/V1/chat/completions", "/ping",
 ]  # fmt: skip
