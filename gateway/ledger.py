@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import operator
 import os
 import secrets
 import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
 
@@ -157,6 +158,9 @@ class UsageRecord:
 
 COLUMNS = tuple(f.name for f in fields(UsageRecord))
 _INSERT = f"INSERT INTO usage ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+_ROW = operator.attrgetter(*COLUMNS)
+"""A record's values in `COLUMNS` order: a plain tuple (``dataclasses.astuple`` deep-copies
+every field: 28 µs a record against 0.6, while the writer thread holds the interpreter)."""
 
 
 class LedgerMetrics(Protocol):
@@ -420,7 +424,7 @@ class Ledger:
         assert self._conn is not None
         try:
             with self._conn:
-                self._conn.executemany(_INSERT, (astuple(rec) for rec in batch))
+                self._conn.executemany(_INSERT, map(_ROW, batch))
         except (sqlite3.Error, OSError) as exc:
             self._fail("write", exc)
             self._keep(batch)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-import uuid
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -110,7 +110,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         and not live.auth.is_api_key(supplied)
         and not _carries_own_credential(supplied, credential(request, dialect or CHAT))
     )
-    request_id = supplied if client_id else uuid.uuid4().hex
+    request_id = supplied if client_id else secrets.token_hex(16)  # 128 random bits, 32 hex
     context = RequestContext(
         request_id=request_id,
         started=app[CLOCK](),

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import structlog
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from structlog.testing import LogCapture, capture_logs
 
@@ -21,7 +23,15 @@ from gateway.auth import issue_token
 from gateway.config import parse_settings
 from gateway.credentials import b64url_encode
 from gateway.keys_file import load_keys_file
-from gateway.logs import REDACTED, access_line, configure_logging, redact_secrets, set_level
+from gateway.logs import (
+    _SECRET_RE,
+    REDACTED,
+    _holds_secret,
+    access_line,
+    configure_logging,
+    redact_secrets,
+    set_level,
+)
 from gateway.metrics import Metrics
 from gateway.upstream import EngineState
 from tests.conftest import ALIAS, DEFAULT_KEYS, KEY_A, KEY_C, write_keys
@@ -137,6 +147,36 @@ def test_the_access_line_is_the_line_structlog_would_write(output: io.StringIO) 
     )
     assert (failed["level"], failed["status"]) == ("warning", 502)
     assert (shown["level"], shown["status"]) == ("warning", 503)
+
+
+_PIECES = st.sampled_from(
+    ["sk-", "sk-q38-", "eyJ", ".", "Bearer", "bearer", " ", "\t", "\n", "\0", "=", "/", "-", "_"]
+)
+_TEXT = st.lists(
+    st.one_of(_PIECES, st.text(alphabet="abcXYZ019+~", min_size=1, max_size=12)), max_size=8
+).map("".join)
+
+
+@given(
+    st.dictionaries(
+        st.text(max_size=5),
+        st.one_of(_TEXT, st.integers(), st.lists(st.one_of(_TEXT, st.integers()), max_size=3)),
+        max_size=6,
+    )
+)
+def test_the_access_lines_one_search_finds_what_a_search_of_each_value_finds(
+    fields: dict[str, Any],
+) -> None:
+    """The access line searches its values joined, once, before redacting them one by one: it
+    must find a credential shape exactly when one of the values holds one, pieces of shapes
+    across two values (``sk-`` ending one, a key's rest starting the next) included."""
+    values = [
+        item
+        for value in fields.values()
+        for item in (value if isinstance(value, list) else [value])
+        if isinstance(item, str)
+    ]
+    assert _holds_secret(fields) == any(_SECRET_RE.search(value) for value in values)
 
 
 def test_set_level_changes_only_the_threshold(output: io.StringIO) -> None:
