@@ -388,11 +388,8 @@ class PlanWorkerFailed(UpstreamError):
     code = "service_unavailable"
     reason = "plan_worker_failed"
 
-    def __init__(self) -> None:
-        super().__init__(
-            "The gateway failed to read this large request body; retry it.",
-            headers={"Retry-After": "1"},
-        )
+    def __init__(self, what: str = "read this large request body") -> None:
+        super().__init__(f"The gateway failed to {what}; retry it.", headers={"Retry-After": "1"})
 
 
 class EngineUnavailable(UpstreamError):

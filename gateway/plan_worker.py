@@ -204,7 +204,7 @@ class PlanWorker:
                 try:
                     return await self._exchange(job, raw)
                 except _NoAnswer as second:
-                    raise _failed(second.__cause__) from second.__cause__
+                    raise _failed(job, second.__cause__) from second.__cause__
             finally:
                 if len(raw) > RECYCLE_BYTES:
                     self._child.stop()  # idle now: its memory goes back with it
@@ -243,11 +243,11 @@ class PlanWorker:
         except WorkerFailed as exc:
             if not answered:
                 raise _NoAnswer() from exc
-            raise _failed(exc) from exc
+            raise _failed(job, exc) from exc
         except asyncio.TimeoutError as exc:
-            raise _failed(exc, f"no answer within {within_s:g} s") from None
+            raise _failed(job, exc, f"no answer within {within_s:g} s") from None
         except (pickle.UnpicklingError, EOFError, TypeError, IndexError, ValueError) as exc:
-            raise _failed(exc) from exc
+            raise _failed(job, exc) from exc
         finally:
             if not done:
                 child.stop()
@@ -261,10 +261,13 @@ class _NoAnswer(Exception):
     """The worker failed before it sent any frame of this job."""
 
 
-def _failed(cause: BaseException | None, why: str = "") -> PlanWorkerFailed:
-    """The 503 of a job the worker could not finish, logged once as ``plan_worker_failed``."""
+def _failed(job: Job, cause: BaseException | None, why: str = "") -> PlanWorkerFailed:
+    """The 503 of a job the worker could not finish, logged once as ``plan_worker_failed``;
+    its message names what failed (a listing reads no request body)."""
     error = why or f"{type(cause).__name__}: {cause}"
-    log.error("plan_worker_failed", error=error[:200])
+    log.error("plan_worker_failed", error=error[:200], job=job.dialect)
+    if job.dialect == INPUT_ITEMS:
+        return PlanWorkerFailed("list this stored response's input items")
     return PlanWorkerFailed()
 
 

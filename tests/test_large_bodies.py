@@ -626,6 +626,32 @@ def test_a_stuck_worker_costs_a_503_after_the_plan_timeout(sim_factory, gateway_
     assert post(gw, "/v1/chat/completions", ok).status_code == 200
 
 
+def test_a_stuck_worker_during_a_listing_says_the_listing_failed(
+    sim_factory, gateway_factory
+) -> None:
+    """A listing of input items the plan worker does not answer (SIGSTOP) is a 503 with
+    ``Retry-After`` after ``server.plan_timeout_s`` whose message names the listing: the
+    request had no body, so a message about reading a large request body would mislead. The
+    next listing gets a fresh worker."""
+    gw = gateway_factory(
+        sim_factory(), {"responses": {"store": True}, "server": {"plan_timeout_s": 1.0}}
+    )
+    items = [{"type": "message", "role": "user", "content": f"m{i}"} for i in range(2_000)]
+    r = post(gw, "/v1/responses", json.dumps({"model": ALIAS, "input": items}).encode())
+    assert r.status_code == 200, r.text[:300]
+    url = gw.url(f"/v1/responses/{r.json()['id']}/input_items")
+    assert httpx.get(url, headers=OPENAI, timeout=30).status_code == 200
+    (pid,) = worker_pids(gw)
+    os.kill(pid, signal.SIGSTOP)
+    r = httpx.get(url, headers=OPENAI, timeout=30)
+    assert r.status_code == 503, r.text[:300]
+    assert r.headers["Retry-After"] == "1"
+    message = r.json()["error"]["message"]
+    assert "input items" in message and "body" not in message, message
+    assert wait_until(lambda: not alive(pid), 5)
+    assert httpx.get(url, headers=OPENAI, timeout=30).status_code == 200
+
+
 def test_refused_bodies_free_their_memory_with_their_answer(stack: Gateway) -> None:
     """Thirty compressed bombs (each decoded to the 32 MiB limit, then 413) and thirty bodies of
     900 KB refused for a bad field (400): the gateway's memory does not grow with them (each
