@@ -20,10 +20,24 @@ from typing import Any, Literal
 from engine.tomlfile import load_toml
 from gateway.config_tables import ConfigError as ConfigError
 from gateway.config_tables import build_table
+from gateway.secret_scan import CREDENTIAL_SHAPE_RE
 
 DEFAULT_CONFIG_PATH = "/etc/qwen38/gateway.toml"
 CONFIG_ENV = "QWEN38_GATEWAY_CONFIG"
 TENANT_NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+TENANT_NAME_RULE = (
+    "1-64 letters, digits, '_', '.', '-', starting with a letter or digit, and not shaped like a "
+    "credential (sk-..., a JWT): logs would show such a name as [redacted]"
+)
+
+
+def valid_tenant_name(name: str) -> bool:
+    """A tenant name as keys, tokens and ``[tenants.*]`` may give it: `TENANT_NAME_RE`, and no
+    credential's shape (`gateway.secret_scan.CREDENTIAL_SHAPE_RE`), since every log line
+    redacts those and the tenant of an access line would read ``[redacted]``."""
+    return bool(TENANT_NAME_RE.match(name)) and CREDENTIAL_SHAPE_RE.search(name) is None
+
+
 DEFAULT_TENANT = "default"
 UNKNOWN_TENANT = "unknown"
 
@@ -556,10 +570,9 @@ def parse_settings(data: Mapping[str, Any], source: str | None = None) -> Settin
     default = build_table(TenantSettings, raw_tenants.get(DEFAULT_TENANT, {}), "tenants.default")
     tenants: dict[str, TenantSettings] = {DEFAULT_TENANT: default}
     for tname, table in raw_tenants.items():
-        if not TENANT_NAME_RE.match(tname) or tname == UNKNOWN_TENANT:
+        if not valid_tenant_name(tname) or tname == UNKNOWN_TENANT:
             raise ConfigError(
-                f"tenants.{tname}: invalid tenant name (letters, digits, '_', '.', '-'; "
-                f"at most 64; not {UNKNOWN_TENANT!r})"
+                f"tenants.{tname}: invalid tenant name ({TENANT_NAME_RULE}; not {UNKNOWN_TENANT!r})"
             )
         if tname == DEFAULT_TENANT:
             continue

@@ -19,8 +19,11 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from gateway.auth import issue_token
-from gateway.config import TENANT_NAME_RE, ConfigError, Settings, load_settings
+from gateway.config import TENANT_NAME_RULE, ConfigError, Settings, load_settings, valid_tenant_name
 from gateway.credentials import (
+    BASE62,
+    GENERATED_PREFIX,
+    GENERATED_SECRET_CHARS,
     NAME_RE,
     SETTING_PREFIX,
     SIGNING_PREFIX,
@@ -35,11 +38,8 @@ from gateway.credentials import (
 from gateway.keys_file import append_line, load_keys_file, remove_line, update_keys_file
 from gateway.keys_wait import add_wait_options, wait_if_asked
 
-SECRET_PREFIX = "sk-q38-"
-BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-# 32 base62 characters: 32 * log2(62) = 190 bits, beyond any guessing and enough for an
-# unsalted SHA-256 to be a safe stored form.
-SECRET_CHARS = 32
+SECRET_PREFIX = GENERATED_PREFIX
+SECRET_CHARS = GENERATED_SECRET_CHARS
 HS256_SECRET_BYTES = 32
 DEFAULT_TTL_S = 3600
 _DURATION_RE = re.compile(r"(\d+)([dhm])")
@@ -55,10 +55,8 @@ def generate_secret() -> str:
 
 
 def _tenant(text: str) -> str:
-    if not TENANT_NAME_RE.match(text):
-        raise argparse.ArgumentTypeError(
-            "tenant names are 1-64 letters, digits, '_', '.', '-', starting with a letter or digit"
-        )
+    if not valid_tenant_name(text):
+        raise argparse.ArgumentTypeError(f"tenant names are {TENANT_NAME_RULE}")
     return text
 
 

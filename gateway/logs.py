@@ -10,13 +10,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import re
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
+
+from gateway.secret_scan import CREDENTIAL_SHAPE_RE
 
 LEVELS = {
     "debug": logging.DEBUG,
@@ -25,14 +26,9 @@ LEVELS = {
     "error": logging.ERROR,
 }
 REDACTED = "[redacted]"
-# Credential shapes: keys written by `keys add` (``sk-q38-`` + base64url), any other ``sk-``
-# style key, a Bearer header value, and a JWT (three base64url segments, the first a JSON object
-# so starting with ``eyJ``; RFC 7519 section 3).
-_SECRET_RE = re.compile(
-    r"\bsk-[A-Za-z0-9_\-]{8,}"
-    r"|\beyJ[A-Za-z0-9_\-]*\.[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]*"
-    r"|(?i:\bbearer\s+)[A-Za-z0-9\-._~+/]+=*"
-)
+# Credential shapes (`gateway.secret_scan.CREDENTIAL_SHAPE_RE`): keys written by `keys add`
+# (``sk-q38-`` + base62) and any other ``sk-`` style key, a Bearer header value, and a JWT.
+_SECRET_RE = CREDENTIAL_SHAPE_RE
 
 
 class NamedWriteLogger(structlog.WriteLogger):

@@ -55,11 +55,12 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def sane_request_id(value: str) -> bool:
-    """A client request id is kept when short and plain, and not shaped like a credential
-    as sent or percent- or base64-decoded (`gateway.secret_scan.looks_like_credential`: an
-    ``sk-`` key, a JWT or a ``Bearer`` value sent by mistake would otherwise reach logs, every
-    response header and the engine; a loaded API key without such a prefix is refused by the
-    caller, by its digest)."""
+    """A client request id is kept when short and plain, and holds no credential's shape
+    as sent or percent- or base64-decoded, at its start or further in
+    (`gateway.secret_scan.looks_like_credential`: an ``sk-`` key, a JWT or a ``Bearer`` value
+    sent by mistake, ``trace_sk-...`` included, would otherwise reach logs, the ledger, every
+    response header and the engine; a loaded API key's secret without its prefix is refused by
+    the caller, by its digest: `gateway.auth.Authenticator.holds_api_key`)."""
     return bool(_REQUEST_ID_RE.match(value)) and not looks_like_credential(value)
 
 
@@ -107,8 +108,8 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
     dialect = _dialect(app, request, template)
     client_id = (
         sane_request_id(supplied)
-        and not live.auth.is_api_key(supplied)
         and not _carries_own_credential(supplied, credential(request, dialect or CHAT))
+        and not live.auth.holds_api_key(supplied)
     )
     request_id = supplied if client_id else secrets.token_hex(16)  # 128 random bits, 32 hex
     context = RequestContext(

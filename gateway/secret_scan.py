@@ -32,6 +32,15 @@ from urllib.parse import unquote, unquote_to_bytes
 
 # What starts a credential once decoded: API keys, JWTs, Authorization values.
 _PREFIXES = ("sk-", "eyj", "bearer", "basic ")
+# Credential shapes inside a longer text: an ``sk-`` style key not preceded by a letter or digit
+# (``trace_sk-...`` and ``x.sk-...`` included), a JWT's header and payload anywhere (RFC 7519
+# section 3: base64url of a JSON object, so ``eyJ``, then a dot), and a ``Bearer`` value. What
+# logs redact (`gateway.logs`), what request ids and tenant names may not hold.
+CREDENTIAL_SHAPE_RE = re.compile(
+    r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_\-]{8,}"
+    r"|eyJ[A-Za-z0-9_\-]*\.[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]*)?"
+    r"|(?i:\bbearer\s+)[A-Za-z0-9\-._~+/]+=*"
+)
 _B64_RE = re.compile(r"[A-Za-z0-9+/_-]{8,}={0,2}")
 # The shortest credential the gateway accepts (`gateway.credentials.MIN_PLAINTEXT_SECRET`).
 MIN_SECRET_CHARS = 16
@@ -68,8 +77,14 @@ def _decodings(text: str) -> Iterator[str]:
 
 def looks_like_credential(text: str) -> bool:
     """True when ``text`` (or its percent or base64 decoding) starts like a credential or an
-    ``Authorization`` value (``sk-``, ``eyJ``, ``Bearer``, ``Basic``), case-insensitively."""
-    return any(decoded.strip().lower().startswith(_PREFIXES) for decoded in _decodings(text))
+    ``Authorization`` value (``sk-``, ``eyJ``, ``Bearer``, ``Basic``), case-insensitively, or
+    holds a credential's shape further in (`CREDENTIAL_SHAPE_RE`, ``trace_sk-...``)."""
+    for decoded in _decodings(text):
+        if decoded.strip().lower().startswith(_PREFIXES):
+            return True
+        if CREDENTIAL_SHAPE_RE.search(decoded) or CREDENTIAL_SHAPE_RE.search(decoded.lower()):
+            return True
+    return False
 
 
 def _base64_cores(secret: bytes) -> list[bytes]:

@@ -548,6 +548,70 @@ def test_c29_request_ids_shaped_like_encoded_credentials_are_replaced(
     assert r.headers["x-request-id"] != supplied
 
 
+# A key as `keys add` writes it, loaded beside KEY_A for another tenant.
+KEY_D = "sk-q38-" + "D4x9" * 8
+
+
+@pytest.mark.parametrize(
+    "supplied",
+    [
+        f"t_{KEY_D}",
+        f"t_{KEY_D.removeprefix('sk-q38-')}",
+        f"trace.{KEY_D.removeprefix('sk-q38-')}.7",
+        "trace_sk-proj-abcdefghijklmnopqrstuvwx",
+        "x.SK-proj-abcdefghijklmnop",
+        "id_eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJl",
+        "a1eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0",
+    ],
+    ids=[
+        "other_key",
+        "other_secret",
+        "other_secret_inside",
+        "sk_after_underscore",
+        "upper_sk_after_dot",
+        "jwt_after_prefix",
+        "jwt_after_digits",
+    ],
+)
+def test_c29_request_ids_holding_a_credential_further_in_are_replaced(
+    sim_factory: Any, gateway_factory: Any, supplied: str
+) -> None:
+    """An X-Request-Id holding a credential after a prefix (another tenant's key, with or without
+    its ``sk-q38-``, any ``sk-`` key, a JWT) is replaced by a generated id: the credential is in
+    no header, answer, log line, ledger record or engine request."""
+    keys = {"KEY_A": ("acme", KEY_A), "KEY_D": ("beta", KEY_D)}
+    gw = gateway_factory(sim_factory(), keys=keys)
+    secret = supplied.split("_", 1)[-1].removeprefix("trace.")[:24]
+    answers = [
+        httpx.post(
+            gw.url("/v1/chat/completions"),
+            json={
+                "model": ALIAS,
+                "max_tokens": 4,
+                "stream": stream,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            headers={**AUTH, "X-Request-Id": supplied},
+            timeout=30,
+        )
+        for stream in (False, True)
+    ]
+    for r in answers:
+        assert r.status_code == 200, r.text[:300]
+        generated = r.headers["x-request-id"]
+        assert len(generated) == 32 and generated != supplied
+        assert secret not in r.text and all(secret not in v for v in r.headers.values())
+    assert gw.sim is not None and len(gw.sim.model_records()) == 2
+    assert secret not in json.dumps(gw.sim.model_records())
+    gw.proc.terminate()  # a drain: the ledger's records are written before it exits
+    gw.proc.wait(30)
+    chats = [e for e in gw.access_logs() if e["route"] == "/v1/chat/completions"]
+    assert len(chats) == 2 and all(e["request_id"] != supplied for e in chats)
+    assert secret not in gw.log_path.read_text()
+    ledger = sorted(Path(gw.config_path).parent.glob("gw-usage.sqlite3*"))
+    assert ledger and all(secret.encode() not in path.read_bytes() for path in ledger)
+
+
 @pytest.mark.fast
 def test_c29_quoting_rules() -> None:
     """`quotable` keeps short plain values only; engine messages keep a short prefix of what they quote and no credential."""

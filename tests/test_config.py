@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.auth import issue_token
 from gateway.config import (
     DEFAULT_TENANT,
     UNKNOWN_TENANT,
@@ -14,7 +15,10 @@ from gateway.config import (
     listener_problem,
     load_settings,
     parse_settings,
+    valid_tenant_name,
 )
+from gateway.credentials import KeysFileError, b64url_encode
+from gateway.keys_file import load_keys_file
 
 pytestmark = pytest.mark.fast
 
@@ -54,6 +58,8 @@ def test_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
         ({"tenants": {"acme": {"rpm": -1}}}, "tenants.acme.rpm = -1"),
         ({"tenants": {"bad name": {}}}, "tenants.bad name"),
         ({"tenants": {UNKNOWN_TENANT: {}}}, f"tenants.{UNKNOWN_TENANT}"),
+        ({"tenants": {"sk-bratislava": {}}}, "shaped like a credential"),
+        ({"tenants": {"x_sk-proj-abcdefgh": {}}}, "tenants.x_sk-proj-abcdefgh"),
         ({"model": {"alias": ""}}, "model.alias"),
     ],
 )
@@ -63,6 +69,29 @@ def test_a_bad_value_fails_naming_its_key(data: dict[str, object], named: str) -
     with pytest.raises(ConfigError) as caught:
         parse_settings(data)
     assert named in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["sk-bratislava", "x_sk-proj-abcdefgh", "eyJa.eyJb", "t.eyJhbGc.x"]
+)
+def test_tenant_names_shaped_like_credentials_are_refused_everywhere(
+    tmp_path: Path, name: str
+) -> None:
+    """A tenant name a log line would redact (an ``sk-`` key's shape, a JWT's) is refused in
+    ``[tenants.*]``, on a keys file line and in a token's claims, so no access line reads
+    ``tenant: [redacted]`` for a configured tenant; names that merely contain ``sk-`` pass."""
+    assert not valid_tenant_name(name)
+    keys = tmp_path / "keys.env"
+    signing = f"JWT_k1=hs256:{b64url_encode(b'j' * 32)}\n"
+    keys.write_text(f"KEY_X={name}:sk-q38-{'x' * 32}\n{signing}")
+    keys.chmod(0o600)
+    with pytest.raises(KeysFileError, match="invalid tenant name"):
+        load_keys_file(keys)
+    keys.write_text(signing)
+    with pytest.raises(ValueError, match="invalid tenant name"):
+        issue_token(load_keys_file(keys).signing_keys[0], name, 60)
+    for fine in ("disk-images", "task-runner-1", "sk-short", "risk-team"):
+        assert valid_tenant_name(fine)
 
 
 def test_tenants_inherit_the_default_table() -> None:

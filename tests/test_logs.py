@@ -251,6 +251,9 @@ def test_aiohttp_access_log_is_off(output: io.StringIO) -> None:
         (JWT, JWT),
         (f"Authorization: Bearer {JWT}", JWT),
         ("bearer plain-hand-typed-secret-1234", "plain-hand-typed-secret-1234"),
+        ("trace_sk-proj-abcdefghijklmnopqrstuvwx", "abcdefghijklmnopqrstuvwx"),
+        ("x_sk-q38-0123456789abcdef", "0123456789abcdef"),
+        ("a1eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2ln", "eyJzdWIiOiIxIn0"),
     ],
 )
 def test_redact_secrets_masks_credential_shapes(text: str, secret: str) -> None:
@@ -264,7 +267,16 @@ def test_redact_secrets_masks_credential_shapes(text: str, secret: str) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["task-1234567890", "request", "0d8c1f2e9a", "sk-short", "/v1/chat/completions", "KEY_A"],
+    [
+        "task-1234567890",
+        "request",
+        "0d8c1f2e9a",
+        "sk-short",
+        "/v1/chat/completions",
+        "KEY_A",
+        "disk-images-2024",
+        "risk-assessment",
+    ],
 )
 def test_redact_secrets_leaves_ordinary_text(text: str) -> None:
     """Request ids, key ids, routes and words are not mistaken for secrets."""
