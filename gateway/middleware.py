@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 from aiohttp import HttpVersion11, web
 
+from gateway.auth import Authenticator
 from gateway.body import check_content_encoding
 from gateway.dialects import CHAT, Dialect
 from gateway.errors import (
@@ -32,7 +33,7 @@ from gateway.errors import (
 from gateway.http_errors import error_for
 from gateway.logs import access_line
 from gateway.metrics import ROUTES
-from gateway.secret_scan import OwnCredential, looks_like_credential
+from gateway.secret_scan import OwnCredential, decodings, looks_like_credential
 from gateway.state import (
     BODY_MEMORY,
     CLOCK,
@@ -62,6 +63,16 @@ def sane_request_id(value: str) -> bool:
     response header and the engine; a loaded API key's secret without its prefix is refused by
     the caller, by its digest: `gateway.auth.Authenticator.holds_api_key`)."""
     return bool(_REQUEST_ID_RE.match(value)) and not looks_like_credential(value)
+
+
+def _holds_a_key(request_id: str, authorization: str | None, auth: Authenticator) -> bool:
+    """True when ``request_id``, as sent or decoded (`gateway.secret_scan.decodings`: percent,
+    hex, base64), holds the credential this request presents (`_carries_own_credential`) or a
+    key the gateway loaded (`Authenticator.holds_api_key`)."""
+    return any(
+        _carries_own_credential(form, authorization) or auth.holds_api_key(form)
+        for form in decodings(request_id)
+    )
 
 
 def _carries_own_credential(request_id: str, authorization: str | None) -> bool:
@@ -106,10 +117,8 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
     supplied = request.headers.get("X-Request-Id", "")
     template, route = _route(request)
     dialect = _dialect(app, request, template)
-    client_id = (
-        sane_request_id(supplied)
-        and not _carries_own_credential(supplied, credential(request, dialect or CHAT))
-        and not live.auth.holds_api_key(supplied)
+    client_id = sane_request_id(supplied) and not _holds_a_key(
+        supplied, credential(request, dialect or CHAT), live.auth
     )
     request_id = supplied if client_id else secrets.token_hex(16)  # 128 random bits, 32 hex
     context = RequestContext(

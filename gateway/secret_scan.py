@@ -33,14 +33,18 @@ from urllib.parse import unquote, unquote_to_bytes
 # What starts a credential once decoded: API keys, JWTs, Authorization values.
 _PREFIXES = ("sk-", "eyj", "bearer", "basic ")
 # Credential shapes inside a longer text: an ``sk-`` style key not preceded by a letter or digit
-# (``trace_sk-...`` and ``x.sk-...`` included), a JWT's header and payload anywhere (RFC 7519
-# section 3: base64url of a JSON object, so ``eyJ``, then a dot), and a ``Bearer`` value. What
-# logs redact (`gateway.logs`), what request ids and tenant names may not hold.
+# (``trace_sk-...`` and ``x.sk-...`` included); a JWT (RFC 7519 section 3: base64url segments
+# joined by dots, header and payload JSON objects, so each starts ``eyJ``) as a word of three
+# segments, or anywhere as a header and a payload (``a1eyJ...eyJ...``: a word like
+# ``surveyJob.1`` is neither); and a ``Bearer`` value. What logs redact (`gateway.logs`), what
+# request ids and tenant names may not hold.
 CREDENTIAL_SHAPE_RE = re.compile(
     r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_\-]{8,}"
-    r"|eyJ[A-Za-z0-9_\-]*\.[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]*)?"
+    r"|\beyJ[A-Za-z0-9_\-]*\.[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]*"
+    r"|eyJ[A-Za-z0-9_\-]+\.eyJ[A-Za-z0-9_\-]*(?:\.[A-Za-z0-9_\-]*)?"
     r"|(?i:\bbearer\s+)[A-Za-z0-9\-._~+/]+=*"
 )
+_HEX_RE = re.compile(r"(?:[0-9A-Fa-f]{2}){8,}")
 _B64_RE = re.compile(r"[A-Za-z0-9+/_-]{8,}={0,2}")
 # The shortest credential the gateway accepts (`gateway.credentials.MIN_PLAINTEXT_SECRET`).
 MIN_SECRET_CHARS = 16
@@ -60,9 +64,13 @@ def _own_credential(authorization: str) -> OwnCredential | None:
     return OwnCredential(secret, raw, tuple(_base64_cores(raw)), plain)
 
 
-def _decodings(text: str) -> Iterator[str]:
-    """``text`` as sent, percent-decoded, and base64/base64url-decoded (when it is base64)."""
+def decodings(text: str) -> Iterator[str]:
+    """``text`` as sent, percent-decoded, hex-decoded (when it is hex) and base64/base64url-decoded
+    (when it is base64): the forms a credential may be hidden in inside a short client value."""
     yield text
+    stripped_hex = text.strip()
+    if _HEX_RE.fullmatch(stripped_hex):
+        yield bytes.fromhex(stripped_hex).decode("utf-8", "replace")
     if "%" in text:
         yield unquote(text, errors="replace")
     stripped = text.strip()
@@ -79,7 +87,7 @@ def looks_like_credential(text: str) -> bool:
     """True when ``text`` (or its percent or base64 decoding) starts like a credential or an
     ``Authorization`` value (``sk-``, ``eyJ``, ``Bearer``, ``Basic``), case-insensitively, or
     holds a credential's shape further in (`CREDENTIAL_SHAPE_RE`, ``trace_sk-...``)."""
-    for decoded in _decodings(text):
+    for decoded in decodings(text):
         if decoded.strip().lower().startswith(_PREFIXES):
             return True
         if CREDENTIAL_SHAPE_RE.search(decoded) or CREDENTIAL_SHAPE_RE.search(decoded.lower()):

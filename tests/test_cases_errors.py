@@ -550,38 +550,40 @@ def test_c29_request_ids_shaped_like_encoded_credentials_are_replaced(
 
 # A key as `keys add` writes it, loaded beside KEY_A for another tenant.
 KEY_D = "sk-q38-" + "D4x9" * 8
+SECRET_D = KEY_D.removeprefix("sk-q38-")
 
 
-@pytest.mark.parametrize(
-    "supplied",
-    [
-        f"t_{KEY_D}",
-        f"t_{KEY_D.removeprefix('sk-q38-')}",
-        f"trace.{KEY_D.removeprefix('sk-q38-')}.7",
-        "trace_sk-proj-abcdefghijklmnopqrstuvwx",
-        "x.SK-proj-abcdefghijklmnop",
-        "id_eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJl",
-        "a1eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0",
-    ],
-    ids=[
-        "other_key",
-        "other_secret",
-        "other_secret_inside",
-        "sk_after_underscore",
-        "upper_sk_after_dot",
-        "jwt_after_prefix",
-        "jwt_after_digits",
-    ],
-)
+def _b64u(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+# (id sent, what of it must show nowhere): a piece of the credential when it is sent plain, the
+# encoded form itself when it is encoded.
+HIDDEN_IN_IDS = {
+    "other_key": (f"t_{KEY_D}", SECRET_D[:24]),
+    "other_secret": (f"t_{SECRET_D}", SECRET_D[:24]),
+    "other_secret_inside": (f"trace.{SECRET_D}.7", SECRET_D[:24]),
+    "other_secret_base64url": (_b64u(SECRET_D), _b64u(SECRET_D)[:24]),
+    "other_key_base64url_after_x": (_b64u("x" + KEY_D), _b64u("x" + KEY_D)[:24]),
+    "other_secret_hex": (SECRET_D.encode().hex(), SECRET_D.encode().hex()[:24]),
+    "own_secret_base64url": (_b64u(KEY_A.removeprefix("sk-q38-")), _b64u(KEY_A[7:])[:24]),
+    "sk_after_underscore": ("trace_sk-proj-abcdefghijklmnopqrstuvwx", "abcdefghijklmnopqrstuvwx"),
+    "upper_sk_after_dot": ("x.SK-proj-abcdefghijklmnop", "abcdefghijklmnop"),
+    "jwt_after_prefix": ("id_eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJl", "eyJzdWIiOiIxIn0"),
+    "jwt_after_digits": ("a1eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0", "eyJzdWIiOiIxIn0"),
+}
+
+
+@pytest.mark.parametrize(("supplied", "hidden"), HIDDEN_IN_IDS.values(), ids=HIDDEN_IN_IDS.keys())
 def test_c29_request_ids_holding_a_credential_further_in_are_replaced(
-    sim_factory: Any, gateway_factory: Any, supplied: str
+    sim_factory: Any, gateway_factory: Any, supplied: str, hidden: str
 ) -> None:
     """An X-Request-Id holding a credential after a prefix (another tenant's key, with or without
-    its ``sk-q38-``, any ``sk-`` key, a JWT) is replaced by a generated id: the credential is in
-    no header, answer, log line, ledger record or engine request."""
+    its ``sk-q38-``, any ``sk-`` key, a JWT), or a loaded key's secret hex- or base64-encoded, is
+    replaced by a generated id: it is in no header, answer, log line, ledger record or engine
+    request."""
     keys = {"KEY_A": ("acme", KEY_A), "KEY_D": ("beta", KEY_D)}
     gw = gateway_factory(sim_factory(), keys=keys)
-    secret = supplied.split("_", 1)[-1].removeprefix("trace.")[:24]
     answers = [
         httpx.post(
             gw.url("/v1/chat/completions"),
@@ -600,16 +602,35 @@ def test_c29_request_ids_holding_a_credential_further_in_are_replaced(
         assert r.status_code == 200, r.text[:300]
         generated = r.headers["x-request-id"]
         assert len(generated) == 32 and generated != supplied
-        assert secret not in r.text and all(secret not in v for v in r.headers.values())
+        assert hidden not in r.text and all(hidden not in v for v in r.headers.values())
     assert gw.sim is not None and len(gw.sim.model_records()) == 2
-    assert secret not in json.dumps(gw.sim.model_records())
+    assert hidden not in json.dumps(gw.sim.model_records())
     gw.proc.terminate()  # a drain: the ledger's records are written before it exits
     gw.proc.wait(30)
     chats = [e for e in gw.access_logs() if e["route"] == "/v1/chat/completions"]
     assert len(chats) == 2 and all(e["request_id"] != supplied for e in chats)
-    assert secret not in gw.log_path.read_text()
+    assert hidden not in gw.log_path.read_text()
     ledger = sorted(Path(gw.config_path).parent.glob("gw-usage.sqlite3*"))
-    assert ledger and all(secret.encode() not in path.read_bytes() for path in ledger)
+    assert ledger and all(hidden.encode() not in path.read_bytes() for path in ledger)
+
+
+@pytest.mark.parametrize(
+    "supplied",
+    [
+        "surveyJob.123",
+        "keyJar.v2",
+        "trace-123",
+        "req_abc.def:7",
+        "0123456789abcdef" * 2,
+        "D4x9" * 8,
+    ],
+)
+def test_c29_ordinary_request_ids_are_kept(gw: Gateway, supplied: str) -> None:
+    """Ids that only look a little like a credential (``eyJ`` inside a word, hex, a base62 run
+    that is no loaded key) are echoed as sent."""
+    r = httpx.get(gw.url("/v1/models"), headers={**AUTH, "X-Request-Id": supplied}, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == supplied
 
 
 @pytest.mark.fast

@@ -276,6 +276,8 @@ def test_redact_secrets_masks_credential_shapes(text: str, secret: str) -> None:
         "KEY_A",
         "disk-images-2024",
         "risk-assessment",
+        "surveyJob.123",
+        "/srv/monkeyJungle.toml",
     ],
 )
 def test_redact_secrets_leaves_ordinary_text(text: str) -> None:
