@@ -632,9 +632,10 @@ def test_a_stuck_worker_during_a_listing_says_the_listing_failed(
     """A listing of input items the plan worker does not answer (SIGSTOP) is a 503 with
     ``Retry-After`` after ``server.plan_timeout_s`` whose message names the listing: the
     request had no body, so a message about reading a large request body would mislead. The
-    next listing gets a fresh worker."""
+    next listing gets a fresh worker (whose start counts against the same timeout: 3 s leaves
+    a loaded machine room for it)."""
     gw = gateway_factory(
-        sim_factory(), {"responses": {"store": True}, "server": {"plan_timeout_s": 1.0}}
+        sim_factory(), {"responses": {"store": True}, "server": {"plan_timeout_s": 3.0}}
     )
     items = [{"type": "message", "role": "user", "content": f"m{i}"} for i in range(2_000)]
     r = post(gw, "/v1/responses", json.dumps({"model": ALIAS, "input": items}).encode())
