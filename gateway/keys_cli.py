@@ -38,8 +38,6 @@ from gateway.credentials import (
 from gateway.keys_file import append_line, load_keys_file, remove_line, update_keys_file
 from gateway.keys_wait import add_wait_options, wait_if_asked
 
-SECRET_PREFIX = GENERATED_PREFIX
-SECRET_CHARS = GENERATED_SECRET_CHARS
 HS256_SECRET_BYTES = 32
 DEFAULT_TTL_S = 3600
 _DURATION_RE = re.compile(r"(\d+)([dhm])")
@@ -51,7 +49,7 @@ _RELOAD_NOTE = (
 
 def generate_secret() -> str:
     """A new API key: ``sk-q38-`` and 32 base62 characters from `secrets` (190 bits)."""
-    return SECRET_PREFIX + "".join(secrets.choice(BASE62) for _ in range(SECRET_CHARS))
+    return GENERATED_PREFIX + "".join(secrets.choice(BASE62) for _ in range(GENERATED_SECRET_CHARS))
 
 
 def _tenant(text: str) -> str:

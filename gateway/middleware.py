@@ -57,7 +57,7 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 def sane_request_id(value: str) -> bool:
     """A client request id is kept when short and plain, and holds no credential's shape
-    as sent or percent- or base64-decoded, at its start or further in
+    as sent or percent-, hex- or base64-decoded, at its start or further in
     (`gateway.secret_scan.looks_like_credential`: an ``sk-`` key, a JWT or a ``Bearer`` value
     sent by mistake, ``trace_sk-...`` included, would otherwise reach logs, the ledger, every
     response header and the engine; a loaded API key's secret without its prefix is refused by

@@ -68,12 +68,11 @@ def decodings(text: str) -> Iterator[str]:
     """``text`` as sent, percent-decoded, hex-decoded (when it is hex) and base64/base64url-decoded
     (when it is base64): the forms a credential may be hidden in inside a short client value."""
     yield text
-    stripped_hex = text.strip()
-    if _HEX_RE.fullmatch(stripped_hex):
-        yield bytes.fromhex(stripped_hex).decode("utf-8", "replace")
+    stripped = text.strip()
+    if _HEX_RE.fullmatch(stripped):
+        yield bytes.fromhex(stripped).decode("utf-8", "replace")
     if "%" in text:
         yield unquote(text, errors="replace")
-    stripped = text.strip()
     if _B64_RE.fullmatch(stripped):
         padded = stripped.rstrip("=") + "=" * (-len(stripped.rstrip("=")) % 4)
         for decode in (base64.b64decode, base64.urlsafe_b64decode):
@@ -84,7 +83,7 @@ def decodings(text: str) -> Iterator[str]:
 
 
 def looks_like_credential(text: str) -> bool:
-    """True when ``text`` (or its percent or base64 decoding) starts like a credential or an
+    """True when ``text`` (or a `decodings` form of it) starts like a credential or an
     ``Authorization`` value (``sk-``, ``eyJ``, ``Bearer``, ``Basic``), case-insensitively, or
     holds a credential's shape further in (`CREDENTIAL_SHAPE_RE`, ``trace_sk-...``)."""
     for decoded in decodings(text):
