@@ -74,6 +74,13 @@ async def serve(settings: Settings, config_path: str | None) -> int:
         shutdown_timeout=_CLEANUP_S,
         keepalive_timeout=settings.server.keepalive_timeout_s,
     )
+    # The handlers are in place before startup (engine leases, Redis) and before the first
+    # listener opens: a SIGTERM that arrives as soon as /ready can answer (a supervisor's, a
+    # test's) drains and releases instead of killing the process.
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     await runner.setup()
     runners: list[web.AppRunner] = [runner]
     watchers: set[asyncio.Task[Any]] = set()
@@ -108,7 +115,6 @@ async def serve(settings: Settings, config_path: str | None) -> int:
             engine_socket=settings.engine.socket,
             config=settings.source,
         )
-        loop = asyncio.get_running_loop()
         tls_files = [t for t in (server_tls, metrics_tls) if t is not None]
         for tls in tls_files:
             watchers.add(loop.create_task(tls.watch(settings.auth.reload_poll_s, app[METRICS])))
@@ -120,9 +126,6 @@ async def serve(settings: Settings, config_path: str | None) -> int:
                 watchers.add(task)
                 task.add_done_callback(watchers.discard)
 
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
         await stop.wait()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -521,3 +521,43 @@ def test_a_reload_applies_the_engine_read_timeout_and_names_the_connection_setti
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[:300]
     restart = [e["key"] for e in gw.logs() if e.get("event") == "reload_needs_restart"]
     assert restart == ["engine.connect_timeout_s"]
+
+
+def test_c21_sigterm_as_soon_as_the_port_answers_drains_and_exits_0(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """C21: a SIGTERM the moment the public port first accepts a connection (a supervisor that
+    stops a gateway it has just started) drains and exits 0: the handlers are in place before
+    the first listener opens, so the signal never falls on Python's default action."""
+    gw = gateway_factory(sim_factory())
+    gw.proc.send_signal(signal.SIGTERM)
+    assert gw.proc.wait(15) == 0
+    port = urlparse(gw.base_url).port
+    assert port is not None
+    for attempt in range(3):
+        log_path = gw.log_path.with_name(f"early-sigterm-{attempt}.log")
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "serve", "--config", str(gw.config_path)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                except OSError:
+                    time.sleep(0.0005)
+                    continue
+                proc.send_signal(signal.SIGTERM)
+                break
+            code = proc.wait(15)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+        log = log_path.read_text()
+        assert code == 0, log[-2000:]
+        assert "gateway_stopped" in log
