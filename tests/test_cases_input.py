@@ -197,6 +197,22 @@ def test_wrong_type_or_range_is_400_naming_the_field(
     assert engine_calls(small.sim) == before
 
 
+def test_several_wrong_fields_name_the_same_one_whatever_their_order(small: Gateway) -> None:
+    """Two wrong fields: the 400 names the same one (the first documented) in either key order,
+    and a wrong field after many good ones is still found."""
+    wrong = {"temperature": "hot", "seed": "x", "n": 0}
+    for path, body in ((CHAT, {"messages": MESSAGES}), (COMPLETIONS, {"prompt": "hi"})):
+        named = set()
+        for order in (list(wrong), list(reversed(wrong))):
+            r = post(small, path, {**{k: wrong[k] for k in order}, **body})
+            assert r.status_code == 400, r.text
+            named.add(r.json()["error"]["param"])
+        assert named == {"n"}, named
+        good = {"top_p": 0.5, "top_k": 5, "stop": ["x"], "user": "u", "max_tokens": 5}
+        r = post(small, path, {**body, **good, "min_p": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
+
+
 def test_bad_fields_use_no_rate_limit_slot(small: Gateway) -> None:
     """Ten refused bodies against rpm 5 are all 400, and a good request still passes."""
     for _ in range(10):
