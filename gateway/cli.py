@@ -24,7 +24,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.tls import TlsError
 
     try:
-        settings = load_settings(args.config)
+        settings = load_settings(args.config, named=args.config is not None)
     except ConfigError as exc:
         print(f"qwen38-gateway: invalid configuration: {exc}", file=sys.stderr)
         return 1
@@ -59,7 +59,7 @@ def _check(args: argparse.Namespace) -> int:
     failed = False
     settings: Settings | None
     try:
-        settings = load_settings(args.config)
+        settings = load_settings(args.config, named=args.config is not None)
     except ConfigError as exc:
         print(f"{other} config: {exc}")
         if not keys_only:

@@ -712,15 +712,20 @@ def listener_problem(settings: Settings) -> str | None:
     return None
 
 
-def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
+def load_settings(path: str | os.PathLike[str] | None = None, *, named: bool = False) -> Settings:
     """Read and validate the TOML config.
 
     Args:
         path: file to read; None means ``$QWEN38_GATEWAY_CONFIG`` or ``/etc/qwen38/gateway.toml``.
-            A file that does not exist means all defaults.
+            A file that does not exist means all defaults, unless ``named``.
+        named: ``path`` was named on a command line (``--config``): a file that does not exist
+            is an error (a typo would otherwise run, check or write keys with the defaults).
 
     Raises:
-        ConfigError: the file is not valid TOML or fails `parse_settings`.
+        ConfigError: the file is not valid TOML or fails `parse_settings`; a ``named`` file
+            does not exist.
     """
     chosen = Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+    if named and path is not None and not chosen.exists():
+        raise ConfigError(f"{chosen}: no such file")
     return load_toml(chosen, parse_settings, Settings, ConfigError)

@@ -45,14 +45,26 @@ def quotable(text: Any) -> str:
     return "<redacted>"
 
 
+_SNAKE_CASE_RE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")
+
+
+def quotable_name(name: Any) -> str:
+    """A body's field name as an error may quote it: `quotable`, except that a snake_case name
+    of up to 48 characters (``previous_response_id``, ``include_stop_str_in_output``) is kept
+    whole, so the field at fault is named whatever the API; no generated key or JWT has that
+    shape."""
+    if isinstance(name, str) and len(name) <= 48 and _SNAKE_CASE_RE.fullmatch(name):
+        return name
+    return quotable(name)
+
+
 # What may be a credential inside a text the gateway did not write (an engine's error message
-# that quotes the request): a Bearer value, an ``sk-`` key, a JWT, or any quoted token of 16+
-# characters (the shortest credential the gateway accepts).
+# that quotes the request): a Bearer value, an ``sk-`` key, a JWT; then (`_RUN_RE`) any run of
+# 16+ characters, the shortest credential the gateway accepts.
 _CREDENTIAL_RE = re.compile(
     r"(?i:\bbearer\s+\S+)"
     r"|sk-[A-Za-z0-9._~+/=-]+"
     r"|eyJ[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]*){0,2}"
-    r"|(?<=['\"`])[^'\"`\s]{16,}(?=['\"`])"
 )
 
 
@@ -60,14 +72,31 @@ _CREDENTIAL_RE = re.compile(
 # shortening (vLLM's and pydantic's messages quote the value they refuse).
 _QUOTED_RE = re.compile(r"(['\"`])([^'\"`]{" + str(QUOTED_PREFIX_CHARS + 1) + r",})\1")
 # An engine message is cut here (vLLM's longest own messages are about 300 characters).
-ENGINE_MESSAGE_MAX_CHARS = 1000
+ENGINE_MESSAGE_MAX_CHARS = 400
+# A run of 16+ characters without a space or quote, quoted or not: vLLM and pydantic also name
+# a refused value unquoted (``Invalid value for `tool_choice`: <value>``).
+_RUN_RE = re.compile(r"[^\s'\"`]{" + str(QUOTABLE_MAX_CHARS + 1) + r",}")
+# A snake_case name (a field such as ``continuous_usage_stats``) with trailing punctuation: the
+# one long run an engine's message keeps (no generated key or JWT has this shape).
+_FIELD_NAME_RE = re.compile(r"[a-z]+(?:_[a-z0-9]+)+[.,:;)\]]*")
+
+
+def _long_run(match: re.Match[str]) -> str:
+    run = match[0]
+    if _FIELD_NAME_RE.fullmatch(run) and len(run) <= 2 * QUOTED_PREFIX_CHARS:
+        return run
+    return "<redacted>"
 
 
 def scrub_credentials(text: str) -> str:
-    """``text`` with everything that could be a credential replaced by ``<redacted>``, every
-    quoted stretch longer than `QUOTED_PREFIX_CHARS` cut to that prefix, and the whole cut to
-    `ENGINE_MESSAGE_MAX_CHARS`: what an engine's message may say about a client value."""
+    """``text`` with everything that could be a credential replaced by ``<redacted>`` (the
+    shapes of keys, JWTs and ``Bearer`` values, and any run of 16 characters or more without a
+    space, quoted or not, but a field's snake_case name), every quoted stretch longer than
+    `QUOTED_PREFIX_CHARS` cut to that prefix, and the whole cut to `ENGINE_MESSAGE_MAX_CHARS`:
+    what an engine's message may say about a client value (case C29: a key without its prefix,
+    or hex-, base64- or percent-encoded, is such a run)."""
     text = _CREDENTIAL_RE.sub("<redacted>", text)
+    text = _RUN_RE.sub(_long_run, text)
     text = _QUOTED_RE.sub(lambda m: f"{m[1]}{m[2][:QUOTED_PREFIX_CHARS]}...{m[1]}", text)
     if len(text) > ENGINE_MESSAGE_MAX_CHARS:
         text = text[:ENGINE_MESSAGE_MAX_CHARS] + "..."

@@ -218,7 +218,7 @@ def _report(problems: Sequence[str]) -> int:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return load_settings(args.config)
+    return load_settings(args.config, named=args.config is not None)
 
 
 def _keys_path(args: argparse.Namespace) -> str:

@@ -462,8 +462,17 @@ async def _call_engine(
     deadline = clock() + queued_budget
     retried = False
     token: int | None = None
+    # Set once a POST is written: from then on the engine may have computed tokens, whatever
+    # becomes of the connection (a drop, a crash, a time limit, the client gone).
+    written = False
+
+    def sent() -> None:
+        nonlocal written
+        written = True
+        if stream is not None:
+            stream.make()
+
     while True:
-        posting = False
         name = call.ticket.engine
         upstream, state = fleet.upstream(name), fleet.state(name)
         try:
@@ -472,7 +481,6 @@ async def _call_engine(
             await take_baseline(request, call)
             if fingerprint is not None:
                 token = quarantine.started(fingerprint, call.context.request_id, name or "default")
-            posting = True
             call.engine = name
             if name is not None:
                 app[METRICS].engine_requests.labels(name).inc()
@@ -483,28 +491,31 @@ async def _call_engine(
                 call.plan.body,
                 call.engine_request_id,
                 stream=call.plan.stream,
-                sent=stream.make if stream is not None else None,
+                sent=sent,
             )
             break
         except asyncio.CancelledError:
             # Cut (the client gone, a time limit, a drain) while the engine worked on the
             # request (a non-streamed answer sends its headers last): the engine has read the
             # prompt and may have generated, so the request is charged (`call_engine`).
-            call.usage.reached_engine = posting
+            call.usage.reached_engine = written
             if token is not None:
                 # Not a suspect (its connection did not fail), and no longer at the engine:
                 # kept, the entry would hold the request's engine body for good.
                 quarantine.finished(token, dropped=False)
             raise
         except EngineUnavailable as exc:
-            sent = isinstance(exc, EngineUnreachable) and exc.sent
+            # A request written to an engine that then went away may have been computed in
+            # part: it is charged as a cut request (`gateway.settling`) unless a retry completes.
+            call.usage.reached_engine = call.usage.reached_engine or written
+            dropped = isinstance(exc, EngineUnreachable) and exc.sent
             if token is not None:
-                quarantine.finished(token, dropped=sent)
+                quarantine.finished(token, dropped=dropped)
                 token = None
             if not isinstance(exc, EngineStalled):
-                state.set("down", "connection dropped" if sent else "connection refused")
+                state.set("down", "connection dropped" if dropped else "connection refused")
             error: GatewayError = exc
-            if sent:
+            if dropped:
                 if not retried and fingerprint is not None and not _hang_kill(call, name or ""):
                     retried = True
                     wait = max(deadline - clock(), call.settings.engine.queue_timeout_s)
@@ -541,6 +552,7 @@ async def _call_engine(
                 raise error from None
             return await stream.end_with_error(error)
         except GatewayError as exc:
+            call.usage.reached_engine = call.usage.reached_engine or written
             if token is not None:
                 # A drop the engine's health did not (yet) prove fatal stays a suspect.
                 quarantine.finished(token, dropped=isinstance(exc, EngineDisconnected))
@@ -551,7 +563,13 @@ async def _call_engine(
     complete = False
     try:
         if answer.status != 200:
-            call.usage.rejected = True
+            # A status before any token: the engine refused the request (nothing computed).
+            # A non-streamed answer's status comes after the generation, so its 5xx may follow
+            # computed tokens: at one slot the engine's counters say how many (a cut request,
+            # `gateway.settling`); with others beside it nothing can tell, and it costs nothing.
+            call.usage.rejected = not (
+                stream is None and answer.status >= 500 and call.baseline is not None
+            )
             error = await answer.error()
             complete = True
             if call.dialect.explain_rejection is not None:

@@ -61,7 +61,7 @@ def _when(unix: float) -> str:
 
 def _state_file(args: argparse.Namespace) -> StateFile | RedisState | None:
     try:
-        settings = load_settings(args.config)
+        settings = load_settings(args.config, named=args.config is not None)
     except ConfigError as exc:
         print(f"qwen38-gateway: invalid configuration: {exc}", file=sys.stderr)
         return None

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from gateway.errors import BadRequest, quotable
+from gateway.errors import BadRequest, quotable_name
 
 Kind = Literal["chat", "completions"]
 
@@ -150,9 +150,18 @@ def stop(value: Any, name: str) -> None:
         raise _fail(name, "a string or an array of strings")
 
 
-def string_or_object(value: Any, name: str) -> None:
-    """A string or an object (``tool_choice``)."""
-    if not isinstance(value, (str, dict)):
+TOOL_CHOICES = ("none", "auto", "required")
+"""The strings ``tool_choice`` may be (OpenAI API reference, chat ``tool_choice``; vLLM's
+``ChatCompletionRequest`` accepts these and a named function object)."""
+
+
+def tool_choice(value: Any, name: str) -> None:
+    """``none``, ``auto``, ``required`` or an object (a named function, checked by the engine);
+    another string is refused here, unquoted, before the engine would echo it."""
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise _fail(name, "'none', 'auto', 'required' or an object naming a function")
+    elif not isinstance(value, dict):
         raise _fail(name, f"a string or an object, not {_kind(value)}")
 
 
@@ -232,7 +241,7 @@ _CHAT: dict[str, Check] = {
     "logprobs": boolean,
     "top_logprobs": integer(0, MAX_TOP_LOGPROBS),
     "tools": array_of(obj, "tool objects"),
-    "tool_choice": string_or_object,
+    "tool_choice": tool_choice,
     "parallel_tool_calls": boolean,
     "chat_template_kwargs": obj,
     "reasoning_effort": string,
@@ -322,7 +331,7 @@ def find_unsendable(value: Any) -> tuple[str, str] | None:
                 stack.append((item[index], f"{path}[{index}]"))
         elif isinstance(item, dict):
             for key in reversed(list(item)):
-                segment = key if key in _KNOWN_NAMES else quotable(key)
+                segment = key if key in _KNOWN_NAMES else quotable_name(key)
                 child = f"{path}.{segment}" if path else segment
                 if _has_surrogate(key):
                     return path or "body", "a key with an unpaired UTF-16 surrogate"

@@ -31,7 +31,7 @@ from gateway.translate.anthropic_errors import anthropic_error
 from gateway.translate.anthropic_request import translate_messages
 from gateway.translate.common import Overflow
 from gateway.translate.responses_request import translate_responses
-from tests.conftest import ALIAS, KEY_A, REPO, Gateway, write_keys
+from tests.conftest import ALIAS, KEY_A, KEY_B, REPO, Gateway, write_keys
 from tests.fuzz_bodies import ROUTES, fuzz_stack
 
 if sys.version_info >= (3, 14):
@@ -642,6 +642,62 @@ def test_c29_quoting_rules() -> None:
     engine = f"Invalid role: '{'a b ' * 2000}' and '{KEY_A}' and `Bearer {KEY_A}`"
     scrubbed = scrub_credentials(engine)
     assert len(scrubbed) < 200 and KEY_A[7:27] not in scrubbed and "a b a b" in scrubbed
+    # vLLM and pydantic also name a refused value unquoted: a key without its prefix, encoded,
+    # or a long run of anything is not echoed; snake_case field names and numbers stay.
+    secret = KEY_A[len("sk-q38-") :]
+    for value in (
+        secret,
+        "Z" * 3000,
+        KEY_A.encode().hex(),
+        base64.b64encode(KEY_A.encode()).decode(),
+        base64.urlsafe_b64encode(KEY_A.encode()).decode().rstrip("="),
+        quote(KEY_A, safe=""),
+        "".join(f"%{b:02X}" for b in KEY_A.encode()),
+        f"x {secret} y " * 3,
+    ):
+        said = scrub_credentials(f"Invalid value for `tool_choice`: {value} (type=str)")
+        assert secret[:16] not in said and "Z" * 16 not in said and len(said) < 400, said
+        assert said.startswith("Invalid value for `tool_choice`: ")
+    for kept in (
+        "This model's maximum context length is 2048 tokens. However, you requested 3000 "
+        "tokens (2900 in the messages, 100 in the completion).",
+        "'continuous_usage_stats' and include_stop_str_in_output, chat_template_kwargs.",
+    ):
+        assert scrub_credentials(kept) == kept
+
+
+def test_c29_a_tool_choice_string_no_api_accepts_is_refused_unquoted(gw: Gateway) -> None:
+    """A chat ``tool_choice`` string other than none/auto/required (3,000 characters, another
+    tenant's key without its prefix) is a 400 naming the field before the engine, quoting none
+    of it; the Responses route says which strings it takes."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for value in ("Z" * 3000, KEY_B[len("sk-q38-") :], "bogus"):
+        body = {
+            "model": ALIAS,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "tools": tools,
+            "tool_choice": value,
+        }
+        r = send(gw, "chat", body)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == "tool_choice" and "'required'" in error["message"]
+        assert value not in r.text and len(r.content) < 400
+    body = {"model": ALIAS, "input": "hi", "tool_choice": "bogus"}
+    r = send(gw, "responses", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "'required'" in r.json()["error"]["message"] and "bogus" not in r.text
+
+
+def test_c29_a_long_field_name_at_fault_is_named(gw: Gateway) -> None:
+    """A lone surrogate in a field whose name is longer than a quotable value
+    (``previous_response_id``) is a 400 whose ``param`` names that field."""
+    raw = b'{"model": "' + ALIAS.encode() + b'", "input": "hi", "previous_response_id": "\\udc80"}'
+    r = send(gw, "responses", raw)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "previous_response_id" and "previous_response_id" in error["message"]
 
 
 # ----------------------------------------------------------------------------------------- C31
@@ -755,6 +811,27 @@ def check(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "gateway", "check", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
+
+
+def test_c32_a_config_named_on_the_command_line_must_exist(workdir: Path) -> None:
+    """`--config` naming a file that does not exist (a typo) is an error naming it, for `check`,
+    `serve`, `keys add` and `usage report`, instead of running on the defaults (whose keys file
+    `keys add` would write)."""
+    absent = str(workdir / "typo.toml")
+    for args in (
+        ("check", "--config", absent),
+        ("serve", "--config", absent),
+        ("keys", "add", "--config", absent, "--tenant", "acme"),
+        ("usage", "report", "--config", absent),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", *args],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        assert f"{absent}: no such file" in done.stdout + done.stderr, (args, done.stdout)
+        assert "sk-" not in done.stdout
+    assert not (workdir / "typo.toml").exists()
 
 
 def test_c32_check_keys_file_checks_the_keys_file(workdir: Path) -> None:

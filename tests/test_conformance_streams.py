@@ -356,6 +356,43 @@ def test_engine_dropped_stream_is_charged_what_the_engine_generated(
     _assert_charged_like_the_engine(engine_gateway, before, after)
 
 
+# The routes whose bodies carry the simulator's "sim" object; the Messages and Responses
+# routes reach the engine through the same call (`gateway.proxy.call_engine`).
+NON_STREAMED = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Tell me a story."}]},
+    "/v1/completions": {"prompt": "Tell me a story."},
+}
+
+
+@pytest.mark.sim_only
+@pytest.mark.parametrize("fault", ["drop_after", "error_after"])
+@pytest.mark.parametrize("route", sorted(NON_STREAMED))
+def test_non_streamed_answer_cut_by_the_engine_is_charged_what_it_generated(
+    engine: LaunchedEngine, engine_gateway: Gateway, route: str, fault: str
+) -> None:
+    """A non-streamed request the engine drops or fails (its 500 comes after the tokens) once
+    it generated 40 tokens: a 5xx in the route's shape, and the tokens charged are the engine's
+    counter deltas (±1), not 0."""
+    assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
+    before = _counters(engine_gateway, engine)
+    body = {
+        "model": ALIAS,
+        **NON_STREAMED[route],
+        "max_tokens": 200,
+        "sim": {"completion_tokens": 200, fault: 40},
+    }
+    r = httpx.post(engine_gateway.url(route), headers=AUTH, json=body, timeout=60)
+    assert r.status_code >= 500 and "error" in r.json(), r.text
+    assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
+    after = (
+        engine_metric(engine, "vllm:prompt_tokens_total"),
+        engine_metric(engine, "vllm:generation_tokens_total"),
+    )
+    assert after[1] - before[1] >= 40
+    _assert_charged_like_the_engine(engine_gateway, before, after)
+    assert chat_ok(engine_gateway)
+
+
 DIALECT_STREAMS = {
     "/v1/messages": {
         "model": ALIAS,

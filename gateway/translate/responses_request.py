@@ -333,7 +333,11 @@ def _tool_choice(choice: Any, chat: dict[str, Any], dropped: list[str]) -> None:
             )
         chat["tool_choice"] = "required"
         return
-    expect(choice, dict, "tool_choice")
+    if not isinstance(choice, dict):
+        raise BadRequest(
+            "tool_choice: must be 'none', 'auto', 'required' or an object.",
+            param="tool_choice",
+        )
     kind = choice.get("type")
     if kind == "function":
         name = expect(choice.get("name"), str, "tool_choice.name")
