@@ -19,6 +19,7 @@ from gateway.errors import GatewayError
 from gateway.framing import comment
 from gateway.rewrite import Kind, RequestPlan, plan_request
 from gateway.sse import RelayState, SseRelay, rewrite_completion_body
+from gateway.translate.common import Overflow, PromptTooLong, overflow_of
 
 
 class StreamRelay(Protocol):
@@ -118,6 +119,47 @@ class Dialect:
     ) = None
 
 
+OVERFLOW_COUNT_TIMEOUT_S = 5.0
+"""Seconds the engine's ``/tokenize`` may take to make an overflow's "at least N" exact."""
+
+
+async def exact_overflow(
+    counter: PromptCounter, plan: RequestPlan, error: GatewayError
+) -> Overflow | None:
+    """The engine's prompt-too-long 400 as an `Overflow` with true numbers, None for another
+    error: where the engine gave a lower bound ("at least N", its tokenizer stopped past the
+    limit), the prompt's exact count from the engine's ``/tokenize``; the output budget the
+    engine was asked for (case C31)."""
+    overflow = overflow_of(error)
+    if overflow is None:
+        return None
+    prompt, at_least = overflow.prompt, overflow.at_least
+    output = overflow.output or plan.max_output
+    if at_least:
+        counted = await counter.count_prompt(plan.tokenize_request(), OVERFLOW_COUNT_TIMEOUT_S)
+        # A count that says the request fits contradicts the engine's refusal: keep its bound.
+        if counted is not None and counted >= prompt and counted + output > overflow.context:
+            prompt, at_least = counted, False
+    return Overflow(prompt, at_least, output, overflow.context)
+
+
+async def explain_sized_overflow(
+    counter: PromptCounter, plan: RequestPlan, error: GatewayError
+) -> GatewayError:
+    """An OpenAI-shaped route's prompt-too-long 400 when this server sized the output budget
+    (`RequestPlan.default_output`): vLLM's message would say the client "requested" the
+    budget the gateway set, so it is restated (`Overflow.openai_message`); an overflow of
+    the client's own ``max_tokens`` keeps the engine's words, which are true."""
+    if plan.default_output is None:
+        return error
+    exact = await exact_overflow(counter, plan, error)
+    if exact is None:
+        return error
+    restated = PromptTooLong(error, exact)
+    restated.message = exact.openai_message()
+    return restated
+
+
 def _openai_planner(kind: Kind) -> Callable[[PlanInput], RequestPlan]:
     def plan(given: PlanInput) -> RequestPlan:
         return plan_request(
@@ -169,6 +211,7 @@ CHAT = Dialect(
     error_body=openai_error_body,
     error_event=openai_error_event,
     keepalive=OPENAI_KEEPALIVE,
+    explain_rejection=explain_sized_overflow,
 )
 COMPLETIONS = Dialect(
     name="completions",

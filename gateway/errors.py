@@ -76,9 +76,10 @@ ENGINE_MESSAGE_MAX_CHARS = 400
 # A run of 16+ characters without a space or quote, quoted or not: vLLM and pydantic also name
 # a refused value unquoted (``Invalid value for `tool_choice`: <value>``).
 _RUN_RE = re.compile(r"[^\s'\"`]{" + str(QUOTABLE_MAX_CHARS + 1) + r",}")
-# A snake_case name (a field such as ``continuous_usage_stats``) with trailing punctuation: the
-# one long run an engine's message keeps (no generated key or JWT has this shape).
-_FIELD_NAME_RE = re.compile(r"[a-z]+(?:_[a-z0-9]+)+[.,:;)\]]*")
+# A snake_case name (a field such as ``continuous_usage_stats``, vLLM's
+# ``(parameter=input_tokens,``) with its punctuation: the one long run an engine's message
+# keeps (no generated key or JWT has this shape).
+_FIELD_NAME_RE = re.compile(r"[(\[]?(?:[a-z]+=)?[a-z]+(?:_[a-z0-9]+)+[.,:;)\]]*")
 
 
 def _long_run(match: re.Match[str]) -> str:

@@ -25,7 +25,7 @@ from gateway.affinity import Affinity, session_key
 from gateway.body import client_body, unplannable_as_400
 from gateway.body_memory import BodyHold, read_held
 from gateway.config import Settings, TenantSettings
-from gateway.dialects import Dialect, PlanInput, PromptCounter
+from gateway.dialects import Dialect, PlanInput, PromptCounter, exact_overflow
 from gateway.errors import EngineBadResponse, GatewayError, ModelNotFound
 from gateway.middleware import credential
 from gateway.plan_worker import (
@@ -47,7 +47,7 @@ from gateway.translate.anthropic_errors import (
 from gateway.translate.anthropic_request import translate_messages
 from gateway.translate.anthropic_stream import PING_EVENT, AnthropicWriter, sse
 from gateway.translate.chat_events import answer_events
-from gateway.translate.common import Overflow, PromptTooLong, overflow_of
+from gateway.translate.common import PromptTooLong
 from gateway.translate.plan import TranslatedPlan, plan_translated
 from gateway.translate.relay import TranslatingRelay, Writer
 from gateway.upstream import tokenize_count
@@ -96,27 +96,11 @@ def _error_event(error: GatewayError) -> bytes:
     return sse("error", body)
 
 
-# Seconds to wait for the engine's count of a prompt it refused as too long; past it the
-# engine's own lower bound is stated ("at least N").
-OVERFLOW_COUNT_TIMEOUT_S = 5.0
-
-
 async def _explain(counter: PromptCounter, plan: RequestPlan, error: GatewayError) -> GatewayError:
-    """The engine's prompt-too-long 400 with true numbers (case C31): where the engine gave a
-    lower bound ("at least N", its tokenizer stopped past the limit), the prompt's exact count
-    from the engine's ``/tokenize``; the output budget the engine was asked for."""
-    overflow = overflow_of(error)
-    if overflow is None:
-        return error
-    prompt, at_least = overflow.prompt, overflow.at_least
-    output = overflow.output or plan.max_output
-    if at_least:
-        counted = await counter.count_prompt(plan.tokenize_request(), OVERFLOW_COUNT_TIMEOUT_S)
-        # A count that says the request fits contradicts the engine's refusal: keep its bound.
-        if counted is not None and counted >= prompt and counted + output > overflow.context:
-            prompt, at_least = counted, False
-    exact = Overflow(prompt, at_least, output, overflow.context)
-    return PromptTooLong(error, exact)
+    """The engine's prompt-too-long 400 with true numbers (`gateway.dialects.exact_overflow`),
+    which Anthropic's wordings state (case C31)."""
+    exact = await exact_overflow(counter, plan, error)
+    return error if exact is None else PromptTooLong(error, exact)
 
 
 def _adapt(error: GatewayError) -> GatewayError:

@@ -176,7 +176,8 @@ def refusal(
         message = (
             f"This request can reserve up to {tokens} tokens (prompt plus max_tokens) but "
             f"{limit - int(used)} remain of your {what} token quota ({name}: {limit}). Lower "
-            f"max_tokens, or retry after it resets at {resets} ({math.ceil(wait)} s)."
+            f"max_tokens, n or the prompt, or retry after it resets at {resets} "
+            f"({math.ceil(wait)} s)."
         )
     return QuotaExceeded(window.name, message, wait)
 

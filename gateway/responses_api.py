@@ -27,7 +27,7 @@ from aiohttp import web
 
 from gateway.body_memory import held_estimate
 from gateway.config import Settings
-from gateway.dialects import Dialect, PlanInput
+from gateway.dialects import Dialect, PlanInput, explain_sized_overflow
 from gateway.errors import BadRequest, GatewayError, NotFound, quotable
 from gateway.plan_worker import INPUT_ITEMS, PLAN_WORKER, Job
 from gateway.rewrite import RequestPlan
@@ -159,6 +159,7 @@ def responses_dialect(store: ResponseStore) -> Dialect:
         error_event=error_event,
         keepalive=KEEPALIVE_COMMENT,
         store_answer=store.put_json,
+        explain_rejection=explain_sized_overflow,
     )
 
 

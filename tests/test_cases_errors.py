@@ -662,6 +662,7 @@ def test_c29_quoting_rules() -> None:
         "This model's maximum context length is 2048 tokens. However, you requested 3000 "
         "tokens (2900 in the messages, 100 in the completion).",
         "'continuous_usage_stats' and include_stop_str_in_output, chat_template_kwargs.",
+        "Please reduce the length of the input prompt. (parameter=input_tokens, value=2049)",
     ):
         assert scrub_credentials(kept) == kept
 
@@ -723,6 +724,55 @@ def test_c31_prompt_too_long_states_the_counted_prompt(
     r = httpx.post(gateway.url("/v1/messages"), json=body, headers=ANTHROPIC, timeout=30)
     assert r.status_code == 400, r.text[:300]
     assert r.json()["error"]["message"] == f"prompt is too long: {prompt} tokens > 2048 maximum"
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+def test_c31_an_overflow_of_the_servers_own_output_budget_says_so(
+    sim_factory: Any, gateway_factory: Any, route: str
+) -> None:
+    """No output budget in the request and a prompt over the context: the 400 states the
+    prompt's real count against the real context and does not say the client requested the
+    output tokens this server set; one with the client's own max_tokens keeps vLLM's words."""
+    sim = sim_factory("--max-model-len", "2048")
+    gateway = gateway_factory(sim, {"engine": {"max_model_len": 2048}})
+    text = "word " * 3000
+    counted = httpx.post(
+        gateway.url("/v1/messages/count_tokens"),
+        json={"model": ALIAS, "messages": [{"role": "user", "content": text}]},
+        headers=ANTHROPIC,
+        timeout=30,
+    ).json()["input_tokens"]
+    assert counted > 2048
+    if route == "/v1/responses":
+        body: dict[str, Any] = {"model": ALIAS, "input": [{"role": "user", "content": text}]}
+    else:
+        body = {"model": ALIAS, "messages": [{"role": "user", "content": text}]}
+    r = httpx.post(gateway.url(route), json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert "requested" not in message, message
+    assert message.startswith("This model's maximum context length is 2048 tokens."), message
+    assert f"prompt contains {counted} input tokens" in message, (message, counted)
+    if route == "/v1/chat/completions":
+        own = httpx.post(gateway.url(route), json={**body, "max_tokens": 100}, headers=AUTH)
+        assert own.status_code == 400 and "2048" in own.json()["error"]["message"]
+
+
+@pytest.mark.fast
+def test_c31_restated_overflows_state_true_inequalities() -> None:
+    """`Overflow.openai_message`: the prompt alone over the context, or the room it leaves
+    below the budget the server set; a lower bound said as one; never "requested"."""
+    cases = {
+        Overflow(3000, False, 512, 2048): "contains 3000 input tokens, which exceeds this limit",
+        Overflow(2048, True, 512, 2048): "contains at least 2048 input tokens, which exceeds",
+        Overflow(2000, False, 512, 2048): "leaves 48 tokens for the answer, fewer than the "
+        "output budget of 512 tokens this server set for it; set max_tokens to at most 48.",
+        Overflow(1900, True, 512, 2048): "leaves at most 148 tokens",
+    }
+    for overflow, expected in cases.items():
+        message = overflow.openai_message()
+        assert message.startswith("This model's maximum context length is 2048 tokens.")
+        assert expected in message and "requested" not in message, message
 
 
 @pytest.mark.fast

@@ -172,7 +172,7 @@ def test_thinking_mapping(thinking: Any, expected: Any) -> None:
     """enabled/disabled decide the mode; adaptive or absent leave it to the tenant's default."""
     body: dict[str, Any] = {
         "model": "m",
-        "max_tokens": 5,
+        "max_tokens": 4096,
         "messages": [{"role": "user", "content": "x"}],
     }
     if thinking is not None:

@@ -343,11 +343,35 @@ def test_error_permission_for_thinking(gw: Gateway) -> None:
     with pytest.raises(anthropic.PermissionDeniedError) as denied:
         client(gw, KEY_C).messages.create(
             model="claude-local",
-            max_tokens=5,
+            max_tokens=20,
             messages=[{"role": "user", "content": "x"}],
             thinking={"type": "enabled", "budget_tokens": 10},
         )
     assert error_of(denied.value) == (403, "permission_error")
+
+
+def test_thinking_budget_must_leave_room_in_max_tokens(gw: Gateway) -> None:
+    """Anthropic's rule: ``thinking.budget_tokens`` at or above ``max_tokens`` is a 400
+    invalid_request_error naming max_tokens, before the engine; below it, served."""
+    before = len(gw.sim.model_records()) if gw.sim is not None else 0
+    for budget in (5, 1024):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client(gw).messages.create(
+                model="claude-local",
+                max_tokens=5,
+                messages=[{"role": "user", "content": "x"}],
+                thinking={"type": "enabled", "budget_tokens": budget},
+            )
+        assert error_of(refused.value) == (400, "invalid_request_error")
+        assert "thinking.budget_tokens" in str(refused.value)
+    assert gw.sim is not None and len(gw.sim.model_records()) == before
+    ok = client(gw).messages.create(
+        model="claude-local",
+        max_tokens=2000,
+        messages=[{"role": "user", "content": "x"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    assert ok.stop_reason in ("end_turn", "max_tokens")
 
 
 def test_errors_too_large_rate_limited_overloaded_and_api_error(

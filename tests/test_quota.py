@@ -80,6 +80,9 @@ async def test_over_daily_quota_is_429_insufficient_quota_until_midnight() -> No
                                                             "insufficient_quota", "day")  # fmt: skip
     assert err.headers["Retry-After"] == "3600"
     assert "300 remain" in err.message and "2026-12-02T00:00:00Z" in err.message
+    # The reservation is prompt plus max_tokens: the advice names both (a prompt alone can be
+    # what does not fit).
+    assert "Lower max_tokens, n or the prompt" in err.message
     assert err.body()["error"]["type"] == "insufficient_quota"
     assert (
         metrics.registry.get_sample_value(

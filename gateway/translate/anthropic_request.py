@@ -149,6 +149,14 @@ def translate_messages(body: Any, *, count_only: bool = False) -> Translated:
         if stops:
             chat["stop"] = stops
     result.requested_output = positive_int(body, "max_tokens", required=True)
+    budget = chat.get("thinking_token_budget")
+    output = result.requested_output
+    if budget is not None and output is not None and budget >= output:
+        # Anthropic's own rule ("Extended thinking", max tokens and context window size): the
+        # thinking budget is part of max_tokens and must leave room for the answer.
+        raise BadRequest(
+            "`max_tokens` must be greater than `thinking.budget_tokens`.", param="max_tokens"
+        )
     return result
 
 

@@ -177,6 +177,27 @@ class Overflow:
             f"{self.context}, decrease input length or `max_tokens` and try again"
         )
 
+    def openai_message(self) -> str:
+        """vLLM's wording (vllm/renderers/params.py) with true numbers, for a request whose
+        output budget this server sized (the client set none, or its budget was cut to the
+        room the prompt leaves): it never says the client requested output tokens (case C31).
+        ``maximum context length is M tokens`` and ``prompt contains N input tokens`` stay, as
+        clients that parse vLLM's message read them."""
+        shown = f"at least {self.prompt}" if self.at_least else str(self.prompt)
+        head = (
+            f"This model's maximum context length is {self.context} tokens. However, your "
+            f"prompt contains {shown} input tokens"
+        )
+        if self.prompt >= self.context or not self.output:
+            return f"{head}, which exceeds this limit even without any output tokens."
+        room = self.context - self.prompt
+        bound = "at most " if self.at_least else ""
+        return (
+            f"{head}, which leaves {bound}{room} tokens for the answer, fewer than the output "
+            f"budget of {self.output} tokens this server set for it; set max_tokens to at most "
+            f"{room}."
+        )
+
 
 def overflow_of(error: GatewayError) -> Overflow | None:
     """The engine's prompt-too-long 400 read into an `Overflow`, or None for any other error."""
