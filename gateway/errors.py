@@ -70,16 +70,26 @@ _CREDENTIAL_RE = re.compile(
 
 # A quoted stretch of a text the gateway did not write, long enough to be a client value worth
 # shortening (vLLM's and pydantic's messages quote the value they refuse).
-_QUOTED_RE = re.compile(r"(['\"`])([^'\"`]{" + str(QUOTED_PREFIX_CHARS + 1) + r",})\1")
+# The opening quote follows a space, an opening bracket, ``=``, ``:`` or ``,`` (or starts the
+# text), so the words between two quoted names (`` `tool_choice` does not match `tools` ``) are
+# not taken for a quoted value.
+_QUOTED_RE = re.compile(
+    r"(?<![^\s(\[{=:,])(['\"`])([^'\"`]{" + str(QUOTED_PREFIX_CHARS + 1) + r",})\1"
+)
 # An engine message is cut here (vLLM's longest own messages are about 300 characters).
 ENGINE_MESSAGE_MAX_CHARS = 400
 # A run of 16+ characters without a space or quote, quoted or not: vLLM and pydantic also name
 # a refused value unquoted (``Invalid value for `tool_choice`: <value>``).
 _RUN_RE = re.compile(r"[^\s'\"`]{" + str(QUOTABLE_MAX_CHARS + 1) + r",}")
-# A snake_case name (a field such as ``continuous_usage_stats``, vLLM's
-# ``(parameter=input_tokens,``) with its punctuation: the one long run an engine's message
-# keeps (no generated key or JWT has this shape).
-_FIELD_NAME_RE = re.compile(r"[(\[]?(?:[a-z]+=)?[a-z]+(?:_[a-z0-9]+)+[.,:;)\]]*")
+# Names an engine's message keeps whole, with their punctuation: snake_case fields
+# (``continuous_usage_stats``), settings with values (``max_completion_tokens=32768``,
+# ``max_model_len=max_total_tokens=4096.``, ``(parameter=input_tokens,``) and command-line
+# flags (``--trust-request-chat-template``). Letters only in each name, one ``_`` or ``-`` at
+# least: no generated key or JWT has this shape, nor a hand-written secret with a digit in it.
+_NAME = r"[a-z]+(?:_[a-z]+)+|--[a-z]+(?:-[a-z]+)+"
+_FIELD_NAME_RE = re.compile(
+    r"[(\[]?(?:[a-z]+=)?(?:" + _NAME + r")(?:=(?:" + _NAME + r"|\d+))*[.,:;)\]]*"
+)
 
 
 def _long_run(match: re.Match[str]) -> str:

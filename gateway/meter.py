@@ -107,6 +107,9 @@ class Meter:
     Attributes:
         reached_engine: the engine accepted the request (it may have generated tokens).
         rejected: the engine answered with an error status (it generated nothing).
+        unanswered: no byte of an answer came before the request ended (the connection
+            dropped before the engine's headers, or a non-streamed answer was an error): a
+            counter delta of nothing then means the engine computed nothing, and it is free.
         prompt_tokens: the engine's final count; after `settle`, the count charged.
         completion_tokens: the engine's final count; after `settle`, the count charged.
         reasoning_tokens: ``completion_tokens_details.reasoning_tokens`` when the engine
@@ -124,6 +127,7 @@ class Meter:
 
     reached_engine: bool = False
     rejected: bool = False
+    unanswered: bool = False
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     reasoning_tokens: int | None = None
@@ -220,6 +224,15 @@ class Meter:
         streamed_completion = streamed.completion_tokens if streamed is not None else 0
         if generated is not None and generated.completion_tokens < streamed_completion:
             generated = self.generated = None  # not this request's counts
+        if (
+            self.unanswered
+            and generated is not None
+            and generated.prompt_tokens == generated.completion_tokens == 0
+        ):
+            # The engine's counters around it moved by nothing and it sent no byte: refused
+            # or dropped before any prefill (a 503 while loading, a connection closed at once).
+            self.prompt_tokens, self.completion_tokens, self.source = 0, 0, "counters"
+            return
         prompt = self.engine_prompt(sequences)
         if streamed is not None:
             self.reasoning_tokens = streamed.reasoning_tokens

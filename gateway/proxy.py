@@ -508,6 +508,7 @@ async def _call_engine(
             # A request written to an engine that then went away may have been computed in
             # part: it is charged as a cut request (`gateway.settling`) unless a retry completes.
             call.usage.reached_engine = call.usage.reached_engine or written
+            call.usage.unanswered = True
             dropped = isinstance(exc, EngineUnreachable) and exc.sent
             if token is not None:
                 quarantine.finished(token, dropped=dropped)
@@ -553,6 +554,7 @@ async def _call_engine(
             return await stream.end_with_error(error)
         except GatewayError as exc:
             call.usage.reached_engine = call.usage.reached_engine or written
+            call.usage.unanswered = True
             if token is not None:
                 # A drop the engine's health did not (yet) prove fatal stays a suspect.
                 quarantine.finished(token, dropped=isinstance(exc, EngineDisconnected))
@@ -560,6 +562,7 @@ async def _call_engine(
                 raise
             return await stream.end_with_error(exc)
     call.usage.reached_engine = True
+    call.usage.unanswered = False  # the engine's headers came (an earlier try's drop is past)
     complete = False
     try:
         if answer.status != 200:
@@ -570,6 +573,7 @@ async def _call_engine(
             call.usage.rejected = not (
                 stream is None and answer.status >= 500 and call.baseline is not None
             )
+            call.usage.unanswered = True
             error = await answer.error()
             complete = True
             if call.dialect.explain_rejection is not None:

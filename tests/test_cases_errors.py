@@ -654,15 +654,23 @@ def test_c29_quoting_rules() -> None:
         quote(KEY_A, safe=""),
         "".join(f"%{b:02X}" for b in KEY_A.encode()),
         f"x {secret} y " * 3,
+        "team_alpha_prod_secret_42",
+        "'team_alpha_prod_secret_42'",
     ):
         said = scrub_credentials(f"Invalid value for `tool_choice`: {value} (type=str)")
         assert secret[:16] not in said and "Z" * 16 not in said and len(said) < 400, said
+        assert "prod_secret" not in said, said
         assert said.startswith("Invalid value for `tool_choice`: ")
     for kept in (
         "This model's maximum context length is 2048 tokens. However, you requested 3000 "
         "tokens (2900 in the messages, 100 in the completion).",
         "'continuous_usage_stats' and include_stop_str_in_output, chat_template_kwargs.",
         "Please reduce the length of the input prompt. (parameter=input_tokens, value=2049)",
+        "max_completion_tokens=32768 cannot be greater than max_model_len=max_total_tokens=4096."
+        " (parameter=max_completion_tokens, value=32768)",
+        "Chat template is passed with request, but --trust-request-chat-template is not set.",
+        "The tool specified in `tool_choice` does not match any of the specified `tools` "
+        "(parameter=tool_choice)",
     ):
         assert scrub_credentials(kept) == kept
 
@@ -764,7 +772,9 @@ def test_c31_restated_overflows_state_true_inequalities() -> None:
     below the budget the server set; a lower bound said as one; never "requested"."""
     cases = {
         Overflow(3000, False, 512, 2048): "contains 3000 input tokens, which exceeds this limit",
-        Overflow(2048, True, 512, 2048): "contains at least 2048 input tokens, which exceeds",
+        Overflow(2049, True, 512, 2048): "contains at least 2049 input tokens, which exceeds",
+        Overflow(2048, False, 512, 2048): "contains 2048 input tokens, which leaves no room for "
+        "one output token.",
         Overflow(2000, False, 512, 2048): "leaves 48 tokens for the answer, fewer than the "
         "output budget of 512 tokens this server set for it; set max_tokens to at most 48.",
         Overflow(1900, True, 512, 2048): "leaves at most 148 tokens",

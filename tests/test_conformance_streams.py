@@ -393,6 +393,31 @@ def test_non_streamed_answer_cut_by_the_engine_is_charged_what_it_generated(
     assert chat_ok(engine_gateway)
 
 
+@pytest.mark.sim_only
+@pytest.mark.parametrize("refuse", ["503", "close"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_refusal_before_any_prefill_is_free(
+    engine: LaunchedEngine, engine_gateway: Gateway, refuse: str, stream: bool
+) -> None:
+    """The engine answers 503 or closes the connection at once (it computed nothing, its
+    counters do not move): a 5xx for the client, and nothing charged."""
+    assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
+    before = _counters(engine_gateway, engine)
+    body = {
+        "model": ALIAS,
+        "messages": [{"role": "user", "content": f"Hi ({uuid.uuid4().hex})."}],
+        "max_tokens": 50,
+        "stream": stream,
+        "sim": {"refuse": refuse},
+    }
+    r = httpx.post(engine_gateway.url("/v1/chat/completions"), headers=AUTH, json=body, timeout=60)
+    assert r.status_code >= 500, r.text
+    assert wait_until(lambda: engine_idle(engine) and settled(engine_gateway), 10)
+    after = _counters(engine_gateway, engine)
+    assert after == before, (before, after)
+    assert chat_ok(engine_gateway)
+
+
 DIALECT_STREAMS = {
     "/v1/messages": {
         "model": ALIAS,

@@ -188,8 +188,11 @@ class Overflow:
             f"This model's maximum context length is {self.context} tokens. However, your "
             f"prompt contains {shown} input tokens"
         )
-        if self.prompt >= self.context or not self.output:
+        if self.prompt > self.context:
             return f"{head}, which exceeds this limit even without any output tokens."
+        if self.prompt == self.context or not self.output:
+            bound = "at least " if self.at_least else ""
+            return f"{head}, which leaves no room for {bound}one output token."
         room = self.context - self.prompt
         bound = "at most " if self.at_least else ""
         return (
