@@ -203,7 +203,7 @@ def _report(args: argparse.Namespace) -> int:
     dsn = ""
     if not paths:
         try:
-            settings = load_settings(args.config, named=args.config is not None)
+            settings = load_settings(args.config)
         except ConfigError as exc:
             print(f"qwen38-gateway: invalid configuration: {exc}", file=sys.stderr)
             return 1

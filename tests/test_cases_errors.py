@@ -875,14 +875,15 @@ def check(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_c32_a_config_named_on_the_command_line_must_exist(workdir: Path) -> None:
     """`--config` naming a file that does not exist (a typo) is an error naming it, for `check`,
-    `serve`, `keys add` and `usage report`, instead of running on the defaults (whose keys file
-    `keys add` would write)."""
+    `serve` and `keys add`, instead of running on the defaults (whose keys file `keys add` would
+    write); `usage report` refuses it in its own words
+    (`tests.test_usage_report.test_report_names_the_ledger_it_reads_and_refuses_to_guess`)."""
     absent = str(workdir / "typo.toml")
     for args in (
         ("check", "--config", absent),
         ("serve", "--config", absent),
         ("keys", "add", "--config", absent, "--tenant", "acme"),
-        ("usage", "report", "--config", absent),
+        ("token", "issue", "--config", absent, "--tenant", "acme"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "gateway", *args],
