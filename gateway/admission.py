@@ -124,7 +124,8 @@ class AdmissionQueue:
         self._total_weight = 0.0
         self._service_s: float | None = None
         self._closed: Callable[[], GatewayError] | None = None
-        metrics.queue_depth.set(0)
+        # Read when scraped: the queue changes twice per request, a scrape comes every 15 s.
+        metrics.queue_depth.set_function(lambda: self._depth)
 
     @property
     def max_concurrency(self) -> int:
@@ -238,7 +239,6 @@ class AdmissionQueue:
         ticket.behind_own = (
             state.live >= 2 and state.live >= self._depth * weight / self._total_weight
         )
-        self._metrics.queue_depth.set(self._depth)
         return ticket
 
     def ahead_of(self, tenant: str, *, background: bool = False) -> list[Ticket]:
@@ -293,7 +293,6 @@ class AdmissionQueue:
         self._waiting.clear()
         self._total_weight = 0.0
         self._depth = 0
-        self._metrics.queue_depth.set(0)
         self._idle_check()
         return failed
 
@@ -352,7 +351,6 @@ class AdmissionQueue:
         waiters = state.waiters
         if len(waiters) > 2 * state.live + _LINE_SLACK:
             state.waiters = deque(t for t in waiters if t._state is _State.WAITING)
-        self._metrics.queue_depth.set(self._depth)
         self._idle_check()
 
     def _finish(self, ticket: Ticket, used: int | None) -> None:
@@ -456,7 +454,6 @@ class AdmissionQueue:
             # Granted out of line order: it leaves the state WAITING now and is skipped later.
             self._grant(chosen, best, best.finish, self.clock(), engine)
             chosen._ring()
-        self._metrics.queue_depth.set(self._depth)
         self._idle_check()
 
     def _leave(self, tenant: str, state: _Tenant) -> None:

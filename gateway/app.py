@@ -169,6 +169,7 @@ def create_app(
         set_level(new_settings.logging.level)
         metrics.prime(new_settings.tenant_labels())
         metrics.keys_loaded.set(new_keys.key_count)
+        app[FORECASTER].export(new_settings.deadline)
         if LIMITER in app:
             app[LIMITER].reconfigure(new_settings)
         if ACCOUNTING in app:

@@ -184,6 +184,7 @@ class BodyMemory:
         self._tenants: dict[str, BodyHold] = {}  # tenant -> bytes held and its weight
         self._weights: dict[str, float] = {}
         self._reading: dict[str, int] = {}  # tenant -> bytes its uploads in progress hold
+        metrics.body_memory.set_function(lambda: self.held)  # read when scraped
 
     def take(self, hold: BodyHold, size: int, label: str) -> None:
         """Set ``hold``'s bytes to ``size``: a request reading its body (``hold.reading``), then
@@ -287,7 +288,6 @@ class BodyMemory:
             self._weights.pop(hold.tenant, None)
         else:
             self._weights[hold.tenant] = hold.weight
-        self._metrics.body_memory.set(self.held)
 
 
 async def read_held(

@@ -178,6 +178,8 @@ class Forecaster:
         self._decode_spt: float | None = None
         self._output: dict[bool, float] = {}
         self._tracked: dict[int, _Tracked] = {}
+        self._settings: DeadlineSettings | None = None  # the last given, for `export`'s gauges
+        self._exported = False
 
     def speeds(
         self, settings: DeadlineSettings, thinking: bool = False
@@ -221,6 +223,10 @@ class Forecaster:
         slot frees after them. Session affinity and requests
         arriving later are not foreseen, so the prediction leans early.
         """
+        running_now = _granted_at_once(queue)
+        if running_now is not None:
+            own_prefill, own_output = self._seconds(settings, work)
+            return Forecast(0.0, own_prefill, own_output, running_now)
         now = self._clock()
         engines = [e for e in queue.engines.values() if e.ready] or list(queue.engines.values())
         busy: dict[str | None, list[float]] = {}
@@ -319,16 +325,25 @@ class Forecaster:
             decoded = completion
         if decoded >= MIN_DECODE_SAMPLE_TOKENS and decode_s >= MIN_SAMPLE_S:
             self._decode_spt = _average(self._decode_spt, decode_s / decoded)
-        self.export(settings)
+        self._settings = settings
 
     def export(self, settings: DeadlineSettings) -> None:
-        """Set the ``gateway_forecast_*`` gauges to the speeds in force."""
-        prefill, decode, _ = self.speeds(settings)
-        self._metrics.forecast_speed.labels("prefill").set(prefill)
-        self._metrics.forecast_speed.labels("decode").set(decode)
-        for thinking in (False, True):
-            output = self.speeds(settings, thinking)[2]
-            self._metrics.forecast_output.labels(str(thinking).lower()).set(output)
+        """Show the speeds in force in the ``gateway_forecast_*`` gauges, read when scraped
+        with the settings last given here (at start and on every reload) or to `settled`."""
+        self._settings = settings
+        if self._exported:
+            return
+        self._exported = True
+        speed, output = self._metrics.forecast_speed, self._metrics.forecast_output
+        speed.labels("prefill").set_function(lambda: self._gauge(0))
+        speed.labels("decode").set_function(lambda: self._gauge(1))
+        output.labels("false").set_function(lambda: self._gauge(2, thinking=False))
+        output.labels("true").set_function(lambda: self._gauge(2, thinking=True))
+
+    def _gauge(self, index: int, *, thinking: bool = False) -> float:
+        settings = self._settings
+        assert settings is not None
+        return self.speeds(settings, thinking)[index]
 
     def refused(self, label: str, dialect: str, reason: str) -> None:
         """Count one refusal (``gateway_deadline_refusals_total``)."""
@@ -337,6 +352,24 @@ class Forecaster:
     def tracked(self) -> int:
         """Requests remembered now (bounded by the queue and the slots)."""
         return len(self._tracked)
+
+
+def _granted_at_once(queue: AdmissionQueue) -> int | None:
+    """The requests at the engines when a newcomer would be granted at once (nobody waits and
+    an engine it may go to has a free slot: the ready ones, or all when none is), else None.
+    The full layout of `Forecaster.forecast` then predicts a start of 0 too."""
+    if queue.depth:
+        return None
+    running = 0
+    some_ready = free_ready = free_any = False
+    for engine in queue.engines.values():
+        running += min(engine.in_flight, engine.slots)
+        free = engine.in_flight < engine.slots
+        free_any = free_any or free
+        if engine.ready:
+            some_ready = True
+            free_ready = free_ready or free
+    return running if (free_ready if some_ready else free_any) else None
 
 
 def _average(old: float | None, sample: float) -> float:

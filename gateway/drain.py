@@ -16,9 +16,8 @@ for the stages before the engine, and one cut there is answered 503.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
+from types import TracebackType
 
 from gateway.errors import EngineUnavailable
 
@@ -49,6 +48,8 @@ class Drain:
         self.forced = False
         self.began_at: float | None = None
         self._tasks: dict[asyncio.Task[object], int] = {}  # task: how many `track`s hold it
+        self._tracking = _Tracking(self, answering=False)
+        self._answering = _Tracking(self, answering=True)
 
     @staticmethod
     def error() -> EngineUnavailable:
@@ -65,43 +66,23 @@ class Drain:
         """Model requests inside `track` now."""
         return len(self._tasks)
 
-    @contextlib.contextmanager
-    def track(self) -> Iterator[None]:
+    def track(self) -> _Tracking:
         """Register the current task as a model request the drain waits for and may end, until
-        the outermost ``track`` of the task ends (they nest)."""
-        task = asyncio.current_task()
-        if task is None:  # pragma: no cover - always inside a handler task
-            yield
-            return
-        self._tasks[task] = self._tasks.get(task, 0) + 1
-        try:
-            yield
-        finally:
-            held = self._tasks.pop(task) - 1
-            if held:
-                self._tasks[task] = held
+        the outermost ``track`` of the task ends (they nest). A context manager."""
+        return self._tracking
 
-    @contextlib.contextmanager
-    def answering(self) -> Iterator[None]:
+    def answering(self) -> _Tracking:
         """`track` a whole model request, from reading its body to its answer: the drain waits
         for it at every stage (the body, its plan, a prompt count before admission, the queue,
         the engine), and a cancellation by `expire` that reaches here (a stage that had sent
         nothing yet: the engine stage ends its own answer) becomes `error` raised, a 503 the
-        error middleware answers, not a connection cut as if the client had left.
+        error middleware answers, not a connection cut as if the client had left. A context
+        manager.
 
         Raises:
             EngineUnavailable: the grace ended before the request had sent anything (`error`).
         """
-        with self.track():
-            try:
-                yield
-            except asyncio.CancelledError:
-                if self.forced or not self.cut_by_shutdown():
-                    raise
-                task = asyncio.current_task()
-                if task is not None and hasattr(task, "uncancel"):
-                    task.uncancel()  # handled: the 503 below is the answer
-                raise self.error() from None
+        return self._answering
 
     def cut_by_shutdown(self) -> bool:
         """True inside a tracked task whose cancellation came from `expire`."""
@@ -129,3 +110,51 @@ class Drain:
         for task in tasks:
             task.cancel(SHUTDOWN_MESSAGE)
         return len(tasks)
+
+
+class _Tracking:
+    """The context manager of `Drain.track` (``answering`` False) and `Drain.answering`.
+
+    One object per drain serves every request: what it tracks is the current task, counted in
+    the drain's table (entries nest). A class rather than a generator-based context manager:
+    it is entered and left twice by every model request.
+    """
+
+    __slots__ = ("_answering", "_drain")
+
+    def __init__(self, drain: Drain, *, answering: bool) -> None:
+        self._drain = drain
+        self._answering = answering
+
+    def __enter__(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            tasks = self._drain._tasks
+            tasks[task] = tasks.get(task, 0) + 1
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        drain = self._drain
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - always inside a handler task
+            return
+        # Whether the drain cut this request is read before the task leaves the table.
+        cut = (
+            self._answering
+            and kind is not None
+            and issubclass(kind, asyncio.CancelledError)
+            and not drain.forced
+            and drain.cut_by_shutdown()
+        )
+        tasks = drain._tasks
+        held = tasks.pop(task) - 1
+        if held:
+            tasks[task] = held
+        if cut:
+            if hasattr(task, "uncancel"):
+                task.uncancel()  # handled: the 503 below is the answer
+            raise drain.error() from None

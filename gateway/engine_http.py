@@ -18,6 +18,7 @@ connection) or `asyncio.TimeoutError`; `gateway.upstream` turns them into the ga
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections.abc import Callable
@@ -32,6 +33,10 @@ SMALL_BODY_BYTES = 64 * 1024
 READ_HIGH_WATER = 64 * 1024
 """Bytes received and not yet read by the relay above which the socket is no longer read:
 a client that reads slowly holds the engine's answer back in the kernel, not in the gateway."""
+
+
+_CONTROL_RE = re.compile("[\r\n\0]")
+"""What no request line or header value may hold (it would end the line: header smuggling)."""
 
 
 class EngineHttpError(Exception):
@@ -238,7 +243,10 @@ class EngineConnection(asyncio.Protocol):
             name = name.lower()
             if name == b"transfer-encoding":
                 # Chunked alone: another coding (gzip, chunked) would reach the relay undecoded.
-                codings = [c for c in (c.strip() for c in value.lower().split(b",")) if c]
+                if value.strip().lower() == b"chunked":
+                    codings = [b"chunked"]  # the usual header, without a list to parse
+                else:
+                    codings = [c for c in (c.strip() for c in value.lower().split(b",")) if c]
                 if chunked or codings != [b"chunked"]:
                     raise EngineHttpError("the answer's transfer coding is not supported")
                 chunked = True
@@ -549,13 +557,13 @@ class EnginePool:
             ValueError: a header value or the path holds a control character (no request may
                 carry a second header or request smuggled in by one of its values).
         """
-        if any(c in value for value in (path, *headers.values()) for c in "\r\n\0"):
+        if _CONTROL_RE.search("".join((path, *headers.values()))) is not None:
             raise ValueError("a line break or NUL in a request header")
         lines = [f"{method} {self._prefix}{path} HTTP/1.1", f"Host: {self._host_header}"]
-        lines.extend(f"{name}: {value}" for name, value in headers.items())
-        lines.append(f"Content-Length: {length}")
-        text = "\r\n".join(lines)
-        return text.encode("latin-1") + b"\r\n\r\n"
+        for name, value in headers.items():
+            lines.append(f"{name}: {value}")
+        lines.append(f"Content-Length: {length}\r\n\r\n")
+        return "\r\n".join(lines).encode("latin-1")
 
     async def acquire(self) -> EngineConnection:
         """An idle connection young enough to reuse, else a new one.

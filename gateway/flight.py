@@ -153,7 +153,7 @@ class Flight:
         self._grace = 0.0
         self._leader_state: bool | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made when first waited for
 
     @property
     def attachable(self) -> bool:
@@ -166,11 +166,16 @@ class Flight:
 
     def changed(self) -> asyncio.Event:
         """An event set at the next change (data, headers, the end)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
         return self._changed
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        # Most flights never have a follower: no event is made until one waits.
+        changed = self._changed
+        if changed is not None:
+            self._changed = None
+            changed.set()
 
     # -- the leader's side (`gateway.relay.ClientStream` calls these as its tap) --
 

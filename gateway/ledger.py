@@ -23,7 +23,6 @@ import collections
 import datetime as dt
 import operator
 import os
-import secrets
 import sqlite3
 import threading
 import time
@@ -83,7 +82,7 @@ _RECORD_ID_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS usage_record_id ON usage (
 
 def new_record_id() -> str:
     """32 random hex digits (128 bits): a record's id, unique across gateways and restarts."""
-    return secrets.token_hex(16)
+    return os.urandom(16).hex()  # `secrets.token_hex(16)` without its three calls
 
 
 def utc_day(ts: float) -> str:

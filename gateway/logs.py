@@ -57,6 +57,8 @@ class _AccessLine:
 
 
 _ACCESS = _AccessLine()
+_LINE_JSON = json.JSONEncoder(default=repr)
+"""The access line's encoder, made once (`json.dumps` with ``default`` makes one a call)."""
 
 
 def access_line(fields: dict[str, Any], warning: bool = False) -> None:
@@ -86,7 +88,7 @@ def access_line(fields: dict[str, Any], warning: bool = False) -> None:
     fields["timestamp"] = dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
     if _holds_secret(fields):
         redact_secrets(writer, "info", fields)
-    writer.msg(json.dumps(fields, default=repr))
+    writer.msg(_LINE_JSON.encode(fields))
 
 
 def _holds_secret(fields: EventDict) -> bool:

@@ -11,8 +11,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
-import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -120,7 +120,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
     client_id = sane_request_id(supplied) and not _holds_a_key(
         supplied, credential(request, dialect or CHAT), live.auth
     )
-    request_id = supplied if client_id else secrets.token_hex(16)  # 128 random bits, 32 hex
+    request_id = supplied if client_id else os.urandom(16).hex()  # 128 random bits, 32 hex
     context = RequestContext(
         request_id=request_id,
         started=app[CLOCK](),

@@ -87,6 +87,11 @@ def place(
         An engine with a free slot, or None (no free eligible engine, or the request waits for
         its busy home).
     """
+    if len(engines) == 1:
+        # One engine (production's single V100): it takes every request, ready or not, avoided
+        # or not (there is nowhere else to go), as soon as it has a free slot.
+        (only,) = engines.values()
+        return only if only.in_flight < only.slots else None
     candidates = [e for e in eligible(engines.values()) if e.name not in avoid]
     if not candidates and avoid:
         candidates = eligible(engines.values())  # nowhere else to go: any engine

@@ -43,6 +43,7 @@ is looked up within the caller's tenant only (another tenant's key never matches
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -394,7 +395,7 @@ async def _await_leader(
     cancels = 0
     while True:
         try:
-            return await asyncio.shield(task)
+            return await _outcome(task)
         except asyncio.CancelledError:
             if task.done():
                 raise
@@ -408,6 +409,22 @@ async def _await_leader(
             flight.cut = True
             task.cancel()
             return await task
+
+
+async def _outcome(task: asyncio.Task[web.StreamResponse]) -> web.StreamResponse:
+    """``await asyncio.shield(task)``: the task's result, and a cancellation of the caller leaves
+    the task running; a bare future woken by the task's end does it in one callback instead of
+    shield's outer future and its two."""
+    if not task.done():
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task.add_done_callback(functools.partial(_wake, waiter))
+        await waiter
+    return task.result()
+
+
+def _wake(waiter: asyncio.Future[None], _task: object) -> None:
+    if not waiter.done():  # a caller cancelled meanwhile left it cancelled
+        waiter.set_result(None)
 
 
 def _replayable(call: ModelCall, status: int) -> bool:

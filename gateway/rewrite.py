@@ -465,6 +465,10 @@ def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+_ENGINE_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+"""The engine body's encoder, made once (`json.dumps` with these options makes one a call)."""
+
+
 def _dumps(obj: Any) -> bytes:
     """Compact UTF-8 JSON for the engine.
 
@@ -474,7 +478,7 @@ def _dumps(obj: Any) -> bytes:
             (`gateway.validate.find_unsendable`); never a non-JSON literal such as ``Infinity``.
     """
     try:
-        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        return _ENGINE_JSON.encode(obj).encode()
     except (ValueError, UnicodeEncodeError):
         found = find_unsendable(obj)
         where, why = found if found is not None else ("body", "a value JSON cannot carry")

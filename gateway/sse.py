@@ -24,6 +24,7 @@ events, chunks carrying both reasoning names). Rewrites, all byte-level on compa
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -90,6 +91,13 @@ class RelayState:
         return running
 
 
+@functools.lru_cache(maxsize=8)
+def _model_field(name: str) -> bytes:
+    """``"model":"<name>"`` as the engine writes it (JSON-escaped); the same two names serve
+    every stream, so each is written once."""
+    return b'"model":' + json.dumps(name).encode()
+
+
 class SseRelay:
     """Incremental relay of one chat or completion stream.
 
@@ -127,8 +135,8 @@ class SseRelay:
         self._wants_usage = client_wants_usage
         self._wants_running = client_wants_usage and client_wants_running_usage
         self._n = max(1, n)
-        self._model_from = b'"model":' + json.dumps(engine_model).encode()
-        self._model_to = b'"model":' + json.dumps(alias).encode()
+        self._model_from = _model_field(engine_model)
+        self._model_to = _model_field(alias)
         self._rename_model = engine_model != alias
 
     def feed(self, data: bytes) -> bytes:
