@@ -731,7 +731,47 @@ def test_c31_prompt_too_long_states_the_counted_prompt(
     body = {"model": ALIAS, "max_tokens": 32000, "messages": messages, "stream": stream}
     r = httpx.post(gateway.url("/v1/messages"), json=body, headers=ANTHROPIC, timeout=30)
     assert r.status_code == 400, r.text[:300]
-    assert r.json()["error"]["message"] == f"prompt is too long: {prompt} tokens > 2048 maximum"
+    assert r.json()["error"]["message"] == f"prompt is too long: {prompt} tokens > 2047 maximum"
+
+
+def test_c31_the_maximum_prompt_is_one_number_around_the_boundary(
+    sim_factory: Any, gateway_factory: Any
+) -> None:
+    """On /v1/messages with a 4,096-token context, prompts of 4,094 and 4,095 tokens are served
+    (Claude Code's max_tokens cut to the room left) and prompts of 4,096, 4,097 and 4,200 tokens
+    are each `prompt is too long: N tokens > 4095 maximum`, streamed or not: the maximum stated
+    is the longest prompt served, the same whatever N."""
+    sim = sim_factory("--max-model-len", "4096")
+    gateway = gateway_factory(sim, {"engine": {"max_model_len": 4096}})
+
+    def messages(tokens: int) -> list[dict[str, Any]]:
+        text = "abcd" * (tokens - 7)  # the simulator: 3 + 4 + ceil(bytes / 4) for one message
+        found = [{"role": "user", "content": text}]
+        counted = httpx.post(
+            gateway.url("/v1/messages/count_tokens"),
+            json={"model": ALIAS, "messages": found},
+            headers=ANTHROPIC,
+            timeout=30,
+        ).json()["input_tokens"]
+        assert counted == tokens, (counted, tokens)
+        return found
+
+    for tokens in (4094, 4095):
+        body = {"model": ALIAS, "max_tokens": 32000, "messages": messages(tokens)}
+        r = httpx.post(gateway.url("/v1/messages"), json=body, headers=ANTHROPIC, timeout=30)
+        assert r.status_code == 200, (tokens, r.text[:300])
+    for tokens in (4096, 4097, 4200):
+        for stream in (False, True):
+            body = {
+                "model": ALIAS,
+                "max_tokens": 32000,
+                "messages": messages(tokens),
+                "stream": stream,
+            }
+            r = httpx.post(gateway.url("/v1/messages"), json=body, headers=ANTHROPIC, timeout=30)
+            assert r.status_code == 400, (tokens, stream, r.text[:300])
+            said = r.json()["error"]["message"]
+            assert said == f"prompt is too long: {tokens} tokens > 4095 maximum", (tokens, said)
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
@@ -789,8 +829,11 @@ def test_c31_restated_overflows_state_true_inequalities() -> None:
 def test_c31_overflow_wordings_are_true() -> None:
     """Each overflow states an inequality that holds: the prompt alone over the context, the prompt plus the output budget over it, or a lower bound said as one."""
     cases = {
-        Overflow(3000, False, 1, 2048): "prompt is too long: 3000 tokens > 2048 maximum",
+        Overflow(3000, False, 1, 2048): "prompt is too long: 3000 tokens > 2047 maximum",
+        Overflow(2049, False, 1, 2048): "prompt is too long: 2049 tokens > 2047 maximum",
+        Overflow(2048, False, 1, 2048): "prompt is too long: 2048 tokens > 2047 maximum",
         Overflow(2048, True, 1, 2048): "prompt is too long: at least 2048 tokens > 2047 maximum",
+        Overflow(2049, True, None, 2048): "prompt is too long: at least 2049 tokens > 2047 maximum",
         Overflow(2000, False, 500, 2048): (
             "input length and `max_tokens` exceed context limit: 2000 + 500 > 2048, "
             "decrease input length or `max_tokens` and try again"

@@ -298,7 +298,7 @@ def test_context_overflow_wording() -> None:
     error = BadRequest(ENGINE_OVERFLOW, param="input_tokens")
     assert (
         anthropic_error(error)[1]["error"]["message"]
-        == "prompt is too long: at least 28321 tokens > 8192 maximum"
+        == "prompt is too long: at least 28321 tokens > 8191 maximum"
     )
     status, body, _ = responses_error(error)
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"

@@ -147,8 +147,8 @@ def test_messages_count_tokens(engine_gateway: Gateway) -> None:
 
 def test_claude_code_request_too_long_for_the_context(engine_gateway: Gateway) -> None:
     """Claude Code's ~28k-token first request on an 8k context: its max_tokens 32000 is clamped
-    (no max_tokens error) and real vLLM's overflow reads `prompt is too long: N tokens > 8192
-    maximum`; the simulator, counting message text only, answers it in full."""
+    (no max_tokens error) and real vLLM's overflow reads `prompt is too long: N tokens > 8191
+    maximum` (the longest prompt served); the simulator, counting message text only, answers it in full."""
     body = recorded("claude-code-first-request-tool_use-sse.json")
     r = httpx.post(
         engine_gateway.url("/v1/messages?beta=true"),
@@ -163,7 +163,7 @@ def test_claude_code_request_too_long_for_the_context(engine_gateway: Gateway) -
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["message"].startswith("prompt is too long: ")
-    assert error["message"].endswith(f" tokens > {MAX_MODEL_LEN} maximum")
+    assert error["message"].endswith(f" tokens > {MAX_MODEL_LEN - 1} maximum")
 
 
 # ---------------------------------------------------------------------------- Responses

@@ -422,7 +422,7 @@ def test_prompt_too_long_in_anthropic_wording(sim_factory: Any, gateway_factory:
     status, etype = error_of(too_long.value)
     assert (status, etype) == (400, "invalid_request_error")
     message = too_long.value.response.json()["error"]["message"]
-    assert message.startswith("prompt is too long: ") and message.endswith(" tokens > 2048 maximum")
+    assert message.startswith("prompt is too long: ") and message.endswith(" tokens > 2047 maximum")
     assert last_engine_body(gw)["max_tokens"] <= 2048
 
 

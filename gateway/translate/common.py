@@ -141,6 +141,10 @@ _OVERFLOW_RE = re.compile(
 )
 
 
+MIN_OUTPUT_TOKENS = 1
+"""The least output a request asks for: vLLM's ``SamplingParams`` needs ``max_tokens`` >= 1."""
+
+
 @dataclass(frozen=True)
 class Overflow:
     """A prompt over the context, as the engine's 400 (or a count) states it.
@@ -157,21 +161,27 @@ class Overflow:
     output: int | None
     context: int
 
+    @property
+    def max_prompt(self) -> int:
+        """The longest prompt this context serves: the context less the least answer, one
+        token (vLLM refuses a prompt whose length plus ``max_tokens``, at least 1, passes
+        ``max_model_len``)."""
+        return self.context - MIN_OUTPUT_TOKENS
+
     def anthropic_message(self) -> str:
         """The Anthropic API's wording, with true numbers (case C31).
 
-        A prompt over the context alone: ``prompt is too long: P tokens > M maximum`` (the
-        wording Claude Code compacts on; a prompt of exactly M tokens is stated against M - 1,
-        since one token must stay for the answer). A prompt that fits but not with the output
-        budget W: ``input length and `max_tokens` exceed context limit: P + W > M, ...`` (the
-        wording Claude Code lowers ``max_tokens`` on). ``at least`` stays in front of a count
-        that is only a lower bound.
+        A prompt with no room for one output token: ``prompt is too long: P tokens > M
+        maximum``, M always `max_prompt` (the context less one token), whether the prompt is
+        exactly the context or past it (the wording Claude Code compacts on, reading both
+        numbers). A prompt that fits but not with the output budget W: ``input length and
+        `max_tokens` exceed context limit: P + W > C, ...`` with C the context (the wording
+        Claude Code lowers ``max_tokens`` on). ``at least`` stays in front of a count that is
+        only a lower bound.
         """
         shown = f"at least {self.prompt}" if self.at_least else str(self.prompt)
-        if self.prompt > self.context:
-            return f"prompt is too long: {shown} tokens > {self.context} maximum"
-        if self.prompt == self.context or not self.output:
-            return f"prompt is too long: {shown} tokens > {self.context - 1} maximum"
+        if self.prompt > self.max_prompt or not self.output:
+            return f"prompt is too long: {shown} tokens > {self.max_prompt} maximum"
         return (
             f"input length and `max_tokens` exceed context limit: {shown} + {self.output} > "
             f"{self.context}, decrease input length or `max_tokens` and try again"
@@ -190,7 +200,7 @@ class Overflow:
         )
         if self.prompt > self.context:
             return f"{head}, which exceeds this limit even without any output tokens."
-        if self.prompt == self.context or not self.output:
+        if self.prompt > self.max_prompt or not self.output:
             bound = "at least " if self.at_least else ""
             return f"{head}, which leaves no room for {bound}one output token."
         room = self.context - self.prompt
