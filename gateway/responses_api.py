@@ -4,7 +4,9 @@
 the engine's chat route (`gateway.translate.responses_request`), planned by the same
 `gateway.rewrite.plan_request` (reservation from ``max_output_tokens``, else the tenant's cap)
 and its answer translated back (`gateway.translate.responses_stream`). Errors keep OpenAI's
-envelope with string codes (`gateway.translate.responses_errors`).
+envelope with string codes (`gateway.translate.responses_errors`); a prompt over the context is
+stated with true numbers and, when ``truncation: "auto"`` was asked, says that nothing was
+dropped (`explain_overflow`).
 
 Stored responses (``[responses] store``, off by default): a request with ``store`` not false is
 kept in a `ResponseStore` once complete; ``GET /v1/responses/{id}``, ``DELETE`` and
@@ -27,18 +29,19 @@ from aiohttp import web
 
 from gateway.body_memory import held_estimate
 from gateway.config import Settings
-from gateway.dialects import Dialect, PlanInput, explain_sized_overflow
+from gateway.dialects import Dialect, PlanInput, PromptCounter, explain_sized_overflow
 from gateway.errors import BadRequest, GatewayError, NotFound, quotable
 from gateway.plan_worker import INPUT_ITEMS, PLAN_WORKER, Job
 from gateway.rewrite import RequestPlan
 from gateway.sse import SseRelay
 from gateway.state import CONTEXT
 from gateway.translate.chat_events import answer_events
+from gateway.translate.common import PromptTooLong, overflow_of
 from gateway.translate.plan import TranslatedPlan, plan_translated
 from gateway.translate.relay import TranslatingRelay, Writer
 from gateway.translate.responses_errors import failure_code, responses_error_bytes
 from gateway.translate.responses_items import items_page
-from gateway.translate.responses_request import translate_responses
+from gateway.translate.responses_request import NO_TRUNCATION, translate_responses
 from gateway.translate.responses_store import ResponseStore, compact
 from gateway.translate.responses_stream import KEEPALIVE_COMMENT, ResponsesWriter
 
@@ -159,8 +162,24 @@ def responses_dialect(store: ResponseStore) -> Dialect:
         error_event=error_event,
         keepalive=KEEPALIVE_COMMENT,
         store_answer=store.put_json,
-        explain_rejection=explain_sized_overflow,
+        explain_rejection=explain_overflow,
     )
+
+
+async def explain_overflow(
+    counter: PromptCounter, plan: RequestPlan, error: GatewayError
+) -> GatewayError:
+    """The engine's prompt-too-long 400 on ``/v1/responses``: its true numbers
+    (`gateway.dialects.explain_sized_overflow`), and for a request that asked for
+    ``truncation: "auto"`` the sentence that this server does not truncate (`NO_TRUNCATION`),
+    so the client is not left to think its input was cut to fit. Any other error passes on."""
+    error = await explain_sized_overflow(counter, plan, error)
+    overflow = overflow_of(error)
+    if overflow is None or _extra(plan).get("truncation") != "auto":
+        return error
+    restated = PromptTooLong(error, overflow)
+    restated.message = error.message + NO_TRUNCATION
+    return restated
 
 
 def _extra(plan: RequestPlan) -> dict[str, Any]:

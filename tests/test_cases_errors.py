@@ -882,6 +882,116 @@ def test_c31_requests_that_cannot_be_honoured_are_refused(
     assert engine_calls(gw) == before
 
 
+ECHOED_AS_ASKED = [
+    ({}, {"truncation": "disabled", "max_tool_calls": None, "service_tier": None}),
+    ({"truncation": "disabled", "max_tool_calls": 1}, {"truncation": "disabled", "max_tool_calls": 1}),
+    ({"truncation": "auto", "max_tool_calls": 7}, {"truncation": "auto", "max_tool_calls": 7}),
+    (
+        {"top_logprobs": 0, "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "service_tier": "auto"},
+        {"top_logprobs": 0, "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "service_tier": "default"},
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize(
+    ("asked", "echoed"), ECHOED_AS_ASKED, ids=["none", "disabled", "auto", "ids"]
+)
+def test_c31_responses_echo_truncation_and_max_tool_calls_as_asked(
+    gw: Gateway, asked: dict[str, Any], echoed: dict[str, Any], stream: bool
+) -> None:
+    """A Responses request's `truncation` (`disabled` when absent), `max_tool_calls`, and the
+    identifiers and tier it sent come back in the response object as asked (the tier as the
+    one that served it, `default`), in every event of a stream and in the stored response;
+    nothing of them reaches the engine."""
+    from openai.types.responses import Response
+
+    body = {**RESPONSES, **asked, "stream": stream}
+    r = send(gw, "responses", body)
+    assert r.status_code == 200, r.text[:300]
+    if stream:
+        shown = [
+            json.loads(line[6:])["response"]
+            for line in r.text.splitlines()
+            if line.startswith("data: ") and '"response":' in line
+        ]
+        assert [s["status"] for s in shown][-1] in ("completed", "incomplete")
+    else:
+        shown = [r.json()]
+    stored = httpx.get(gw.url(f"/v1/responses/{shown[-1]['id']}"), headers=AUTH, timeout=30)
+    for response in [*shown, stored.json()]:
+        Response.model_validate(response)
+        assert {name: response[name] for name in echoed} == echoed, response
+    assert gw.sim is not None
+    sent = gw.sim.model_records()[-1]["body"]
+    assert not set(asked) & set(sent), sent
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("truncation", "none"),
+        ("truncation", "AUTO"),
+        ("truncation", ["auto"]),
+        ("truncation", True),
+        ("max_tool_calls", 0),
+        ("max_tool_calls", -1),
+        ("max_tool_calls", 2.5),
+        ("max_tool_calls", "3"),
+        ("max_tool_calls", True),
+    ],
+    ids=repr,
+)
+def test_c31_responses_truncation_and_max_tool_calls_are_checked(
+    gw: Gateway, name: str, value: Any
+) -> None:
+    """A `truncation` other than `auto` or `disabled`, or a `max_tool_calls` that is not an
+    integer >= 1, is a 400 in OpenAI's shape naming the field, before the engine."""
+    before = engine_calls(gw)
+    r = send(gw, "responses", {**RESPONSES, name: value})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == name and name in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert engine_calls(gw) == before
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_c31_truncation_auto_over_the_context_says_nothing_is_dropped(
+    sim_factory: Any, gateway_factory: Any, stream: bool
+) -> None:
+    """A Responses input over a 2,048-token context with `truncation: "auto"` is the same 400
+    `context_length_exceeded` as without it, stating the prompt's counted tokens against the
+    context, and says that this server does not truncate input automatically; without
+    `auto` it does not."""
+    sim = sim_factory("--max-model-len", "2048")
+    gateway = gateway_factory(sim, {"engine": {"max_model_len": 2048}})
+    text = "word " * 3000
+    counted = httpx.post(
+        gateway.url("/v1/messages/count_tokens"),
+        json={"model": ALIAS, "messages": [{"role": "user", "content": text}]},
+        headers=ANTHROPIC,
+        timeout=30,
+    ).json()["input_tokens"]
+    assert counted > 2048
+    said = {}
+    for truncation in ("auto", "disabled", None):
+        body: dict[str, Any] = {"model": ALIAS, "input": text, "stream": stream}
+        if truncation is not None:
+            body["truncation"] = truncation
+        r = httpx.post(gateway.url("/v1/responses"), json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
+        message = error["message"]
+        assert message.startswith("This model's maximum context length is 2048 tokens."), message
+        assert f"prompt contains {counted} input tokens" in message, (message, counted)
+        said[truncation] = message
+    assert "does not truncate input automatically" in said["auto"], said["auto"]
+    assert "'truncation' is 'auto'" in said["auto"]
+    assert all("truncat" not in said[other] for other in ("disabled", None)), said
+
+
 @pytest.mark.fast
 def test_c31_what_can_be_honoured_still_is() -> None:
     """allowed_tools keeps only the listed functions; auto with only hosted tools answers without tools; hosted tools are named as left out."""

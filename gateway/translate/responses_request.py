@@ -22,8 +22,10 @@ Field names follow OpenAI's API reference ("Responses", "Create a model response
 - ``include``, ``prompt_cache_key``, ``client_metadata``, ``service_tier``, ``truncation``,
   ``user``, ``safety_identifier``, ``max_tool_calls``, ``text.verbosity``, ``reasoning.summary``
   and any client ``cache_salt``/``priority``/``request_id`` are not forwarded (checked, and
-  echoed where the API echoes them; why leaving each out changes nothing the client relies
-  on: gateway/README.md "What the translations leave out"). ``background``,
+  echoed as the API echoes them, `_echoed_values`; why leaving each out changes nothing the
+  client relies on: gateway/README.md "What the translations leave out"). ``truncation:
+  "auto"`` drops no input item here: a prompt over the context is the same 400 as without it,
+  saying so (`NO_TRUNCATION`). ``background``,
   ``conversation``, ``prompt`` templates, ``top_logprobs`` above 0, an ``include`` asking for
   log probabilities, and a ``tool_choice`` that needs a tool the model cannot call here are
   refused with a 400 naming why.
@@ -67,6 +69,12 @@ EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 SUMMARIES = ("auto", "concise", "detailed")
 VERBOSITIES = ("low", "medium", "high")
 TRUNCATIONS = ("auto", "disabled")
+NO_TRUNCATION = (
+    " 'truncation' is 'auto', but this server does not truncate input automatically: remove "
+    "items from the start of 'input' and send the request again."
+)
+"""Added to the prompt-too-long 400 of a request with ``truncation: "auto"``: OpenAI would drop
+items from the start of the conversation until it fits; this server drops nothing."""
 # ``include`` values this server honours (the reasoning's encrypted content is always null) or
 # that name output items it never produces (built-in tools, image inputs); any other value
 # (``message.output_text.logprobs``) asks for data it cannot give and is refused.
@@ -174,8 +182,28 @@ def translate_responses(body: Any, *, history: list[Any] | None = None) -> Trans
         "reasoning": reasoning,
         "store": body.get("store", True) is not False,
         "text": body.get("text"),
+        **_echoed_values(body),
     }
     return result
+
+
+def _echoed_values(body: dict[str, Any]) -> dict[str, Any]:
+    """The values a ``Response`` echoes of the fields this server honours without sending them
+    to the engine (checked by `_echoed_fields`): ``truncation`` as asked (``disabled`` by
+    default; with ``auto`` nothing is dropped, see `NO_TRUNCATION`), ``max_tool_calls`` (it
+    bounds built-in tool calls, of which none run here), ``top_logprobs``, ``user``,
+    ``safety_identifier``, ``prompt_cache_key``; ``service_tier`` the tier that served it
+    (``default``, the only one here: the API reference says a response shows the tier used,
+    which may differ from the one asked)."""
+    return {
+        "truncation": body.get("truncation") or "disabled",
+        "max_tool_calls": body.get("max_tool_calls"),
+        "top_logprobs": body.get("top_logprobs"),
+        "user": body.get("user"),
+        "safety_identifier": body.get("safety_identifier"),
+        "prompt_cache_key": body.get("prompt_cache_key"),
+        "service_tier": "default" if body.get("service_tier") is not None else None,
+    }
 
 
 def _part_text(part: Any, where: str) -> str:

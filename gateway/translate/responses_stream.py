@@ -334,7 +334,14 @@ class ResponsesWriter:
             "tool_choice": extra.get("tool_choice", "auto"),
             "tools": extra.get("tools") or [],
             "top_p": extra.get("top_p"),
-            "truncation": "disabled",
+            "truncation": extra.get("truncation", "disabled"),
+            "max_tool_calls": extra.get("max_tool_calls"),
+            "top_logprobs": extra.get("top_logprobs"),
+            "user": extra.get("user"),
+            "safety_identifier": extra.get("safety_identifier"),
+            "prompt_cache_key": extra.get("prompt_cache_key"),
+            "service_tier": extra.get("service_tier"),
+            "background": False,  # ``background: true`` is refused
             "usage": self.usage_object(),
         }
 
