@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from gateway.framing import data_event
 from gateway.secret_scan import looks_like_credential
@@ -45,15 +45,33 @@ def quotable(text: Any) -> str:
     return "<redacted>"
 
 
-_SNAKE_CASE_RE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")
+# The one rule for a name an error states whole although it is longer than `quotable` allows:
+# snake_case in lowercase letters only, one ``_`` at least, at most FIELD_NAME_MAX_CHARS
+# (``previous_response_id``, ``include_stop_str_in_output``). No generated key or JWT has this
+# shape, nor a hand-written secret with a digit in it (``team_alpha_prod_secret_42``). A body's
+# keys (`quotable_name`), the names in an engine's message (`scrub_credentials`) and in its
+# ``param`` (`gateway.upstream.stated_param`), and tool names (`gateway.translate.common.label`)
+# are all judged by it.
+FIELD_NAME = r"[a-z]+(?:_[a-z]+)+"
+FIELD_NAME_MAX_CHARS = 48
+_FIELD_NAME_RE = re.compile(FIELD_NAME)
+
+
+def is_field_name(name: Any) -> TypeGuard[str]:
+    """True when ``name`` has the shape of a field's name that errors state whole (`FIELD_NAME`,
+    at most `FIELD_NAME_MAX_CHARS` characters)."""
+    return (
+        isinstance(name, str)
+        and len(name) <= FIELD_NAME_MAX_CHARS
+        and _FIELD_NAME_RE.fullmatch(name) is not None
+    )
 
 
 def quotable_name(name: Any) -> str:
-    """A body's field name as an error may quote it: `quotable`, except that a snake_case name
-    of up to 48 characters (``previous_response_id``, ``include_stop_str_in_output``) is kept
-    whole, so the field at fault is named whatever the API; no generated key or JWT has that
-    shape."""
-    if isinstance(name, str) and len(name) <= 48 and _SNAKE_CASE_RE.fullmatch(name):
+    """A body's field name as an error may quote it: whole when `is_field_name`, so the field
+    at fault is named whatever the API; else as `quotable` shows it (a key of 16 characters or
+    more that is not such a name reads ``<redacted>``)."""
+    if is_field_name(name):
         return name
     return quotable(name)
 
@@ -81,20 +99,20 @@ ENGINE_MESSAGE_MAX_CHARS = 400
 # A run of 16+ characters without a space or quote, quoted or not: vLLM and pydantic also name
 # a refused value unquoted (``Invalid value for `tool_choice`: <value>``).
 _RUN_RE = re.compile(r"[^\s'\"`]{" + str(QUOTABLE_MAX_CHARS + 1) + r",}")
-# Names an engine's message keeps whole, with their punctuation: snake_case fields
-# (``continuous_usage_stats``), settings with values (``max_completion_tokens=32768``,
-# ``max_model_len=max_total_tokens=4096.``, ``(parameter=input_tokens,``) and command-line
-# flags (``--trust-request-chat-template``). Letters only in each name, one ``_`` or ``-`` at
-# least: no generated key or JWT has this shape, nor a hand-written secret with a digit in it.
-_NAME = r"[a-z]+(?:_[a-z]+)+|--[a-z]+(?:-[a-z]+)+"
-_FIELD_NAME_RE = re.compile(
+# Runs an engine's message keeps whole (at most FIELD_NAME_MAX_CHARS), with their punctuation:
+# field names (`FIELD_NAME`: ``continuous_usage_stats``), settings with values
+# (``max_completion_tokens=32768``, ``max_model_len=max_total_tokens=4096.``,
+# ``(parameter=input_tokens,``) and command-line flags (``--trust-request-chat-template``, the
+# same shape with ``-``).
+_NAME = FIELD_NAME + r"|--[a-z]+(?:-[a-z]+)+"
+_NAMED_RUN_RE = re.compile(
     r"[(\[]?(?:[a-z]+=)?(?:" + _NAME + r")(?:=(?:" + _NAME + r"|\d+))*[.,:;)\]]*"
 )
 
 
 def _long_run(match: re.Match[str]) -> str:
     run = match[0]
-    if _FIELD_NAME_RE.fullmatch(run) and len(run) <= 2 * QUOTED_PREFIX_CHARS:
+    if len(run) <= FIELD_NAME_MAX_CHARS and _NAMED_RUN_RE.fullmatch(run):
         return run
     return "<redacted>"
 

@@ -40,6 +40,7 @@ from gateway.errors import (
     GatewayError,
     GatewayTimeout,
     UpstreamError,
+    quotable_name,
     scrub_credentials,
 )
 from gateway.metrics import Metrics
@@ -513,6 +514,20 @@ async def tokenize_count(reads: AsyncIterable[bytes], limit: int) -> int | None:
 
 
 _PARAM_RE = re.compile(r"[a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*")
+_PARAM_NAME_RE = re.compile(r"[a-z_]+")
+
+
+def stated_param(param: str) -> str | None:
+    """An engine's ``param`` as the client may see it: a path of lower-case names, dots and
+    ``[index]`` whose every name an error may state (`gateway.errors.quotable_name`: a field's
+    snake_case name, or a short word), else None. A name can be a client's key (pydantic puts
+    a dict's keys in the path), and the message beside it is judged by the same rule."""
+    if not _PARAM_RE.fullmatch(param):
+        return None
+    for name in _PARAM_NAME_RE.findall(param):
+        if quotable_name(name) != name:
+            return None
+    return param
 
 
 def engine_error(status: int, body: bytes) -> GatewayError:
@@ -535,8 +550,8 @@ def engine_error(status: int, body: bytes) -> GatewayError:
                 param = err.get("param") if isinstance(err.get("param"), str) else None
         except ValueError:
             pass
-        if param is not None and not _PARAM_RE.fullmatch(param):
-            param = None  # field names only: lower-case words, dots and [index]
+        if param is not None:
+            param = stated_param(param)
         return EngineRejected(status, scrub_credentials(message), param=param)
     if status == 503:
         return EngineBusy()

@@ -25,12 +25,14 @@ from urllib.parse import quote, urlparse
 
 import httpx
 import pytest
+from openai.types.responses import Response
 
-from gateway.errors import BadRequest, quotable, scrub_credentials
+from gateway.errors import BadRequest, quotable, quotable_name, scrub_credentials
 from gateway.translate.anthropic_errors import anthropic_error
 from gateway.translate.anthropic_request import translate_messages
-from gateway.translate.common import Overflow
+from gateway.translate.common import Overflow, label
 from gateway.translate.responses_request import translate_responses
+from gateway.upstream import stated_param
 from tests.conftest import ALIAS, KEY_A, KEY_B, REPO, Gateway, write_keys
 from tests.fuzz_bodies import ROUTES, fuzz_stack
 
@@ -709,6 +711,98 @@ def test_c29_a_long_field_name_at_fault_is_named(gw: Gateway) -> None:
     assert error["param"] == "previous_response_id" and "previous_response_id" in error["message"]
 
 
+SECRET_NAME = "team_alpha_prod_secret_42"
+# Where a key sits in the body of each route: at the top, or inside an object the route knows.
+NESTED_IN = {"chat": "stream_options", "messages": "metadata"}
+# Values JSON cannot carry on to the engine, as the client's bytes write them.
+UNCARRIED = {"surrogate": '"a\\udc80b"', "infinite": "1e400", "long_int": "7" * 5000}
+NAMED_KEYS = [
+    (SECRET_NAME, False, False),
+    (SECRET_NAME, True, False),
+    ("previous_response_id", False, True),
+    ("max_completion_tokens", False, True),
+    ("continuous_usage_stats", True, True),
+]
+
+
+@pytest.mark.parametrize(("key", "nested", "named"), NAMED_KEYS, ids=lambda v: str(v))
+@pytest.mark.parametrize("dialect", ["chat", "messages"])
+def test_c29_a_key_is_named_only_when_shaped_like_a_field_name(
+    gw: Gateway, dialect: str, key: str, nested: bool, named: bool
+) -> None:
+    """A key holding a value JSON cannot carry (a lone surrogate, 1e400, a 5,000-digit
+    integer), at the top of the body or inside an object, is a 400 before the engine: a field's
+    snake_case name (`previous_response_id`, `max_completion_tokens`, `continuous_usage_stats`)
+    is named in the message and `param`, a name shaped like a hand-written secret with digits
+    (`team_alpha_prod_secret_42`) nowhere in the answer."""
+    base = CHAT if dialect == "chat" else MESSAGES
+    for kind, literal in UNCARRIED.items():
+        entry = f'"{key}": {literal}'
+        if nested:
+            entry = f'"{NESTED_IN[dialect]}": {{{entry}}}'
+        raw = (json.dumps(base)[:-1] + ", " + entry + "}").encode()
+        before = engine_calls(gw)
+        r = send(gw, dialect, raw)
+        assert r.status_code == 400, (kind, r.text[:300])
+        message = error_message(dialect, r)
+        assert engine_calls(gw) == before
+        if not named:
+            assert "prod_secret" not in r.text and "team_alpha" not in r.text, (kind, r.text)
+            continue
+        path = f"{NESTED_IN[dialect]}.{key}" if nested else key
+        assert f"'{path}'" in message, (kind, message)
+        if dialect == "chat":
+            assert r.json()["error"]["param"] == (NESTED_IN[dialect] if nested else key)
+
+
+def test_c29_a_tool_name_shaped_like_a_secret_is_not_echoed(gw: Gateway) -> None:
+    """A tool_choice naming a function that is not in `tools` is a 400 that echoes a field-like
+    name and not one shaped like a hand-written secret (Responses and Messages); a hosted
+    tool's dated type is still named."""
+    for name, echoed in ((SECRET_NAME, False), ("get_current_weather_in_city", True)):
+        bodies = {
+            "responses": {
+                **RESPONSES,
+                "tools": [FUNCTION],
+                "tool_choice": {"type": "function", "name": name},
+            },
+            "messages": {
+                **MESSAGES,
+                "tools": [CUSTOM],
+                "tool_choice": {"type": "tool", "name": name},
+            },
+        }
+        for dialect, body in bodies.items():
+            r = send(gw, dialect, body)
+            assert r.status_code == 400, r.text[:300]
+            assert (name in error_message(dialect, r)) is echoed, r.text
+            assert echoed or "prod_secret" not in r.text
+    body = {**MESSAGES, "tools": [{"type": "web_search_20250305"}], "tool_choice": {"type": "any"}}
+    r = send(gw, "messages", body)
+    assert r.status_code == 400 and "web_search_20250305" in error_message("messages", r)
+
+
+@pytest.mark.fast
+def test_c29_one_rule_says_which_names_an_error_states() -> None:
+    """A body's key in `param`, a name in an engine's message, a name in an engine's `param`
+    and a tool name in a message are kept or redacted alike: snake_case in letters up to 48
+    characters is kept; digits in it, one long word, or a longer name is not."""
+    for name, kept in {
+        SECRET_NAME: False,
+        "previous_response_id": True,
+        "max_completion_tokens": True,
+        "continuous_usage_stats": True,
+        "include_stop_str_in_output": True,
+        "abcdefghijklmnopqrstuvwxyz": False,
+        "a_" + "b" * 60: False,
+    }.items():
+        said = f"Unknown field {name} in the request"
+        assert (quotable_name(name) == name) is kept, name
+        assert (scrub_credentials(said) == said) is kept, name
+        assert (stated_param(f"logit_bias.{name}") is not None) is kept, name
+        assert (label(name) == name) is kept, name
+
+
 # ----------------------------------------------------------------------------------------- C31
 
 
@@ -904,8 +998,6 @@ def test_c31_responses_echo_truncation_and_max_tool_calls_as_asked(
     identifiers and tier it sent come back in the response object as asked (the tier as the
     one that served it, `default`), in every event of a stream and in the stored response;
     nothing of them reaches the engine."""
-    from openai.types.responses import Response
-
     body = {**RESPONSES, **asked, "stream": stream}
     r = send(gw, "responses", body)
     assert r.status_code == 200, r.text[:300]

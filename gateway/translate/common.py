@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.body import MAX_DEPTH, nested_past
-from gateway.errors import BadRequest, EngineRejected, GatewayError, quotable
+from gateway.errors import (
+    FIELD_NAME_MAX_CHARS,
+    BadRequest,
+    EngineRejected,
+    GatewayError,
+    quotable,
+    quotable_name,
+)
 
 
 @dataclass
@@ -84,16 +91,20 @@ def expect(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
     return value
 
 
-_VOCABULARY_RE = re.compile(r"[a-z][a-z0-9_]{0,39}")
+# A hosted tool's versioned type: a snake_case name in letters and its date, Anthropic's
+# ``web_search_20250305`` or OpenAI's ``web_search_preview_2025_03_11``.
+_DATED_TOOL_RE = re.compile(r"[a-z]+(?:_[a-z]+)*_(?:\d{8}|\d{4}_\d{2}_\d{2})")
 
 
 def label(value: Any) -> str:
-    """A tool name or type for an error message: a lowercase identifier of up to 40 characters
-    (the shape of every hosted tool's name and type: ``web_search_preview``,
-    ``str_replace_based_edit_tool``) as it is; anything else as `quotable` shows it."""
-    if isinstance(value, str) and _VOCABULARY_RE.fullmatch(value):
-        return value
-    return quotable(value)
+    """A tool name or type for an error message: a field-like name (`quotable_name`:
+    ``str_replace_based_edit_tool``, ``web_search_preview``) or a hosted tool's dated type
+    (``web_search_20250305``) as it is; anything else as `quotable` shows it, so a name shaped
+    like a hand-written secret (``team_alpha_prod_secret_42``) is not echoed."""
+    dated = isinstance(value, str) and len(value) <= FIELD_NAME_MAX_CHARS
+    if dated and _DATED_TOOL_RE.fullmatch(value):
+        return str(value)
+    return quotable_name(value)
 
 
 def one_of(value: Any, choices: tuple[str, ...], name: str) -> str:
