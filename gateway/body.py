@@ -5,11 +5,11 @@ carry back to the client or on to the engine, and not the request's own credenti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 import structlog
@@ -380,20 +380,36 @@ def client_body(raw: bytes, authorization: str | None) -> Any:
     return body
 
 
-@contextlib.contextmanager
-def unplannable_as_400() -> Iterator[None]:
-    """Planning a client body: a `GatewayError` passes; nesting the checks cannot walk is a 400;
-    any other exception is a check that met a shape it did not expect (a bug, logged with its
-    traceback as ``plan_failed``) and still a 400, since nothing was reserved or sent yet and
-    the body is what caused it (case C28: no 5xx from client input)."""
-    try:
-        yield
-    except GatewayError:
-        raise
-    except RecursionError:
-        raise too_deeply_nested() from None
-    except Exception:
-        log.exception("plan_failed")
+def unplannable_as_400() -> _Unplannable:
+    """Planning a client body (a context manager): a `GatewayError` passes; nesting the checks
+    cannot walk is a 400; any other exception is a check that met a shape it did not expect (a
+    bug, logged with its traceback as ``plan_failed``) and still a 400, since nothing was
+    reserved or sent yet and the body is what caused it (case C28: no 5xx from client input)."""
+    return _UNPLANNABLE
+
+
+class _Unplannable:
+    """`unplannable_as_400`'s context manager: one object, no state (every request enters it)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if kind is None or not issubclass(kind, Exception) or issubclass(kind, GatewayError):
+            return  # no error, a cancellation or exit, or a refusal: as it is
+        if issubclass(kind, RecursionError):
+            raise too_deeply_nested() from None
+        log.exception("plan_failed", exc_info=exc)
         raise BadRequest(
             "The request body holds a value of a type or shape this server cannot process."
         ) from None
+
+
+_UNPLANNABLE = _Unplannable()

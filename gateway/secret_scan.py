@@ -150,8 +150,11 @@ class OwnCredential:
         these in a UTF-8 ``raw`` the search is over ``raw`` and its percent-decoding, and the
         strings are not walked.
         """
-        if self.raw in raw or any(core in raw for core in self.cores):
+        if self.raw in raw:
             return True
+        for core in self.cores:
+            if core in raw:
+                return True
         if (
             self.plain
             and b"\\u" not in raw
