@@ -130,7 +130,10 @@ class AdmissionQueue:
     @property
     def max_concurrency(self) -> int:
         """Slots of all engines together."""
-        return sum(e.slots for e in self.engines.values())
+        total = 0
+        for engine in self.engines.values():
+            total += engine.slots
+        return total
 
     @property
     def in_flight(self) -> int:

@@ -55,7 +55,7 @@ async def reserve_budgets(request: web.Request, call: ModelCall) -> Reservation:
         if count is None or count >= plan.prompt_ceiling:
             raise
         call.plan = plan.with_prompt_count(count)
-        request.app[METRICS].prompt_counts.inc()
+        call.context.app[METRICS].prompt_counts.inc()
         return await _reserve(request, call)
 
 
@@ -82,13 +82,15 @@ async def _count_prompt(request: web.Request, call: ModelCall, reason: str) -> i
 def _counter(request: web.Request, call: ModelCall) -> Upstream:
     """The engine that counts the prompt: its session's engine while in rotation, else another
     one in rotation (`gateway.engines.Engines.counter`)."""
-    fleet = request.app[ENGINES]
+    fleet = call.context.app[ENGINES]
     return fleet.counter(fleet.affinity.home(call.session))
 
 
 async def _reserve(request: web.Request, call: ModelCall) -> Reservation:
     assert call.plan is not None
-    call.hold = await request.app[BUDGETS].reserve(call.caller.tenant, call.plan.reserve_tokens)
+    call.hold = await call.context.app[BUDGETS].reserve(
+        call.caller.tenant, call.plan.reserve_tokens
+    )
     return call.hold.rate
 
 
@@ -110,7 +112,7 @@ async def fit_default_output(request: web.Request, call: ModelCall) -> None:
     count = await _count_prompt(request, call, "default_output")
     if count is None or count > plan.prompt_ceiling:
         return
-    request.app[METRICS].prompt_counts.inc()
+    call.context.app[METRICS].prompt_counts.inc()
     plan = plan.with_prompt_count(count)
     room = context - count
     if room < 1:

@@ -194,7 +194,8 @@ def chat_ceiling(body: Mapping[str, Any]) -> int:
     total = PROMPT_OVERHEAD
     messages = body.get("messages")
     if isinstance(messages, list):
-        total += sum(message_ceiling(m) for m in messages)
+        for message in messages:
+            total += message_ceiling(message)
     tools = body.get("tools")
     if isinstance(tools, list) and tools:
         total += TOOLS_OVERHEAD + sum(TOOL_OVERHEAD + json_ceiling(t) for t in tools)

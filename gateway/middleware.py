@@ -126,6 +126,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         started=app[CLOCK](),
         route=route,
         live=live,
+        app=app,
         client_request_id=client_id,
     )
     if dialect is not None:
@@ -177,7 +178,7 @@ def _unexpected(request: web.Request, context: RequestContext, exc: Exception) -
 def finish_request(request: web.Request, context: RequestContext) -> None:
     """Emit the access line and the request metrics exactly once, then run the finish hooks;
     the call's plan (its bodies) is dropped after them."""
-    app = request.app
+    app = context.app
     metrics = app[METRICS]
     duration = app[CLOCK]() - context.started
     context.duration_s = duration

@@ -18,6 +18,7 @@ path: success, error, client disconnect, cancellation.
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 
@@ -110,7 +111,15 @@ def open_call(request: web.Request, dialect: Dialect) -> ModelCall:
     engine_id = context.request_id
     if context.client_request_id:
         engine_id = f"{engine_id}-{secrets.token_hex(6)}"
-    call = ModelCall(context=context, caller=caller, dialect=dialect, engine_request_id=engine_id)
+    live = context.live
+    call = ModelCall(
+        context=context,
+        caller=caller,
+        dialect=dialect,
+        live=live,
+        settings=live.settings,
+        engine_request_id=engine_id,
+    )
     context.call = call
     return call
 
@@ -121,7 +130,7 @@ async def hold_body(request: web.Request, call: ModelCall) -> bytes:
     request's bodies are dropped."""
     tenant = call.caller.tenant
     hold = call.body_hold = BodyHold(tenant.name, tenant.weight)
-    memory = request.app[BODY_MEMORY]
+    memory = call.context.app[BODY_MEMORY]
     return await read_held(request, memory, hold, call.settings.server, call.caller.label)
 
 
@@ -145,7 +154,7 @@ async def plan_call(request: web.Request, call: ModelCall) -> bytes:
     tenant = call.caller.tenant
     weight = len(raw)
     if dialect.name == "responses" and weight <= OFFLOAD_BYTES:
-        weight += chained_bytes(request.app[STORE], tenant.name, raw)
+        weight += chained_bytes(call.context.app[STORE], tenant.name, raw)
     if weight > OFFLOAD_BYTES and dialect.name in OFFLOADED_DIALECTS:
         job = Job(
             dialect.name,
@@ -156,7 +165,7 @@ async def plan_call(request: web.Request, call: ModelCall) -> bytes:
             call.engine_request_id,
             live.salt_secret,
         )
-        planned = await request.app[PLAN_WORKER].plan(job, raw)
+        planned = await call.context.app[PLAN_WORKER].plan(job, raw)
     else:
         given = PlanInput(None, live.settings, tenant, call.engine_request_id, live.salt_secret)
         planned = plan_body(dialect, raw, authorization, request.headers, given)
@@ -166,7 +175,9 @@ async def plan_call(request: web.Request, call: ModelCall) -> bytes:
         call.session = Affinity.digest(tenant.name, planned.session)
     if call.plan.held_extra and call.body_hold is not None:
         hold = call.body_hold
-        request.app[BODY_MEMORY].take(hold, hold.size + call.plan.held_extra, call.caller.label)
+        call.context.app[BODY_MEMORY].take(
+            hold, hold.size + call.plan.held_extra, call.caller.label
+        )
     return raw
 
 
@@ -177,8 +188,8 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
     ``Retry-After``, before its body is read or any limit is touched. A retry of a request
     already running or answered attaches to it (`gateway.retries`) instead of running again.
     """
-    app = request.app
     call = open_call(request, dialect)
+    app = call.context.app
     if app[DRAIN].draining:
         error = Drain.error()
         error.headers["Connection"] = "close"
@@ -188,7 +199,7 @@ async def handle_model_request(request: web.Request, dialect: Dialect) -> web.St
 
 
 async def _handle_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
-    app = request.app
+    app = call.context.app
     raw = await plan_call(request, call)
     settings = call.settings.retries
     if not settings.enabled:
@@ -203,12 +214,12 @@ async def _handle_call(request: web.Request, call: ModelCall) -> web.StreamRespo
     if found is not None:
         return await follow(request, call, found, match)
     flight = flights.open(settings, call, digest, key, RETRY_COUNT_HEADER in request.headers)
-    return await lead(request, call, flight, lambda: run_call(request, call))
+    return await lead(request, call, flight, functools.partial(run_call, request, call))
 
 
 async def run_call(request: web.Request, call: ModelCall) -> web.StreamResponse:
     """The planned request through quarantine, budgets, the queue and the engine."""
-    app = request.app
+    app = call.context.app
     plan = call.plan
     assert plan is not None
     quarantine = app[QUARANTINE]
@@ -304,7 +315,7 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
     of its queue time (``engine.queue_timeout_s``); a fresh one gets 503 at once.
     """
     assert call.plan is not None and call.ticket is not None
-    app = request.app
+    app = call.context.app
     engine = call.settings.engine
     ticket = call.ticket
     stream = ClientStream(request, call) if call.plan.stream else None
@@ -401,7 +412,7 @@ async def call_engine(
         return await _call_engine(request, call, stream, queued_budget, heartbeat)
     except asyncio.CancelledError:
         cut: GatewayError
-        drain = request.app[DRAIN]
+        drain = call.context.app[DRAIN]
         if drain.cut_by_shutdown():
             cut = Drain.error()
         elif timed_out:
@@ -409,7 +420,7 @@ async def call_engine(
                 f"The request exceeded its time limit of {limit:g} s at the engine "
                 "(engine.request_timeout_s or engine.min_tokens_per_s)."
             )
-            request.app[UPSTREAM].count(cut.kind)
+            call.context.app[UPSTREAM].count(cut.kind)
         elif drain.forced:
             call.context.reason = "shutdown"  # the second signal: the process exits now
             raise
@@ -453,7 +464,7 @@ async def _call_engine(
     heartbeat: Heartbeat | None,
 ) -> web.StreamResponse:
     assert call.plan is not None and call.ticket is not None
-    app = request.app
+    app = call.context.app
     fleet = app[ENGINES]
     several = len(fleet) > 1
     clock = app[CLOCK]

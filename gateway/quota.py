@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import datetime as dt
 import math
+import operator
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -182,11 +183,14 @@ def refusal(
     return QuotaExceeded(window.name, message, wait)
 
 
+_END = operator.attrgetter("end")
+
+
 def first_refusal(
     tenant: TenantSettings, wins: Iterable[Window], used: Mapping[str, float], tokens: int
 ) -> Window | None:
     """The window that refuses ``tokens`` more (the later-ending one first), or None."""
-    for window in sorted(wins, key=lambda w: -w.end):
+    for window in sorted(wins, key=_END, reverse=True):
         limit = limit_of(tenant, window.name)
         if limit is not None and tokens > 0 and used[window.name] + tokens > limit:
             return window

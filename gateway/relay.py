@@ -399,7 +399,7 @@ def client_gone(request: web.Request, call: ModelCall, stalled: bool = False) ->
     context = call.context
     context.status = 499
     context.reason = "client_stalled" if stalled else "client_disconnect"
-    request.app[METRICS].client_disconnects.labels(call.caller.label).inc()
+    call.context.app[METRICS].client_disconnects.labels(call.caller.label).inc()
 
 
 async def relay_stream(
@@ -419,8 +419,8 @@ async def relay_stream(
     first read.
     """
     assert call.plan is not None, "the call is planned before the engine is called"
-    metrics = request.app[METRICS]
-    clock = request.app[CLOCK]
+    metrics = call.context.app[METRICS]
+    clock = call.context.app[CLOCK]
     context = call.context
     relay = stream.relay
     if relay is None:

@@ -340,7 +340,7 @@ async def lead(
     """Run the model path (``run``) as ``flight``'s leader in a task of its own, so that the
     generation can outlive the leader's connection while others read it (`Flight.lost`);
     record its answer and keep or forget the flight at the end."""
-    flights = request.app[FLIGHTS]
+    flights = call.context.app[FLIGHTS]
     settings = call.settings.retries
     if flight.stream:
         request[TAP] = flight
@@ -383,7 +383,7 @@ async def lead(
             # kept for them): the record keeps the status of that answer, charged once here,
             # and the reason says the client left.
             call.context.reason = call.context.reason or "retry_detached"
-            request.app[METRICS].client_disconnects.labels(call.caller.label).inc()
+            call.context.app[METRICS].client_disconnects.labels(call.caller.label).inc()
         flights.close(settings, flight, keep)
 
 
@@ -449,10 +449,10 @@ async def follow(
     """
     context = call.context
     outcome = "replay" if flight.done else "attach"
-    request.app[FLIGHTS].matches.labels(match, outcome).inc()
+    call.context.app[FLIGHTS].matches.labels(match, outcome).inc()
     context.call = None
     if call.body_hold is not None:
-        request.app[BODY_MEMORY].release(call.body_hold)
+        call.context.app[BODY_MEMORY].release(call.body_hold)
     context.reason = "retry_attached" if outcome == "attach" else "retry_replayed"
     structlog.contextvars.bind_contextvars(attached_to=flight.request_id)
     log.info(
@@ -476,7 +476,7 @@ async def follow(
         # as a leader's client (`gateway.relay.client_gone`), however the leaving was noticed.
         context.status = 499
         context.reason = "client_disconnect"
-        request.app[METRICS].client_disconnects.labels(call.caller.label).inc()
+        call.context.app[METRICS].client_disconnects.labels(call.caller.label).inc()
         raise
     finally:
         flight.leave(follower, completed=completed)

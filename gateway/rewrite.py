@@ -389,7 +389,10 @@ def plan_request(
         for name, value in defaults.items():
             if out.get(name) is None:
                 out[name] = value
-        out["messages"] = [_normalise_message(m) for m in body["messages"]]
+        normalised: list[Any] = []
+        for message in body["messages"]:
+            normalised.append(_normalise_message(message))
+        out["messages"] = normalised
 
     prompts = prompt_lengths(body["prompt"]) if kind == "completions" else None
     prompt_estimate = estimate_prompt_tokens(body, kind) if prompts is None else sum(prompts)
@@ -515,6 +518,11 @@ def prompt_ceilings(prompt: Any) -> list[int]:
     return [completion_ceiling(p) if isinstance(p, str) else len(str(p)) for p in prompt]
 
 
+def _named_limit(body: Mapping[str, Any], max_fields: tuple[str, ...]) -> str:
+    """The output-limit field the body set (the first of ``max_fields``), else the last."""
+    return next((f for f in max_fields if body.get(f) is not None), max_fields[-1])
+
+
 def _check_context(
     body: Mapping[str, Any],
     max_fields: tuple[str, ...],
@@ -528,8 +536,8 @@ def _check_context(
     prompt length is exact, so prompt plus output over ``max_model_len`` is refused too (vLLM
     answers both with a 400 after the request used the tenant's budget).
     """
-    name = next((f for f in max_fields if body.get(f) is not None), max_fields[-1])
     if requested > context:
+        name = _named_limit(body, max_fields)
         # The value is quoted only when short: errors quote at most QUOTABLE_MAX_CHARS
         # characters of a client value (case C29), a 35-digit number included.
         shown = str(requested)
@@ -542,6 +550,7 @@ def _check_context(
     if exact and prompts and all(isinstance(p, (int, list)) for p in body["prompt"]):
         longest = max(prompts)
         if longest + requested > context:
+            name = _named_limit(body, max_fields)
             raise BadRequest(
                 f"This model's maximum context length is {context} tokens. However, you "
                 f"requested {longest + requested} tokens ({longest} in the prompt, {requested} "

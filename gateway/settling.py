@@ -69,10 +69,10 @@ async def release_ticket(request: web.Request, call: ModelCall, ticket: Ticket) 
         if isinstance(pending, asyncio.Future):
             baseline = await asyncio.shield(pending)
         if baseline is not None and usage.cut and not usage.settled:
-            after = await settled_counters(request.app[UPSTREAM], baseline.counters)
-            if after is not None and request.app[ADMISSION].grants == baseline.grants:
+            after = await settled_counters(call.context.app[UPSTREAM], baseline.counters)
+            if after is not None and call.context.app[ADMISSION].grants == baseline.grants:
                 usage.generated = generated(baseline.counters, after)
-                request.app[IDLE_COUNTERS].keep(after, baseline.grants)
+                call.context.app[IDLE_COUNTERS].keep(after, baseline.grants)
     finally:
         release_ticket_now(request, call, ticket, baseline)
 
@@ -103,9 +103,9 @@ def release_ticket_now(
     else:
         prompt, completion = usage.settle(call.plan.prompt_fallback, call.plan.n)
         ticket.release(prompt + completion)
-    admission = request.app[ADMISSION]
+    admission = call.context.app[ADMISSION]
     if admission.max_concurrency == 1 and admission.in_flight == 0:
-        idle = request.app[IDLE_COUNTERS]
+        idle = call.context.app[IDLE_COUNTERS]
         if (
             baseline is not None
             and baseline.grants == admission.grants
@@ -134,10 +134,10 @@ async def take_baseline(request: web.Request, call: ModelCall) -> None:
     finishes beside the request (`gateway.counters.IdleCounters.baseline_at_once`); else no
     baseline is taken and a cut is charged its streamed usage (`gateway.meter.Meter.settle`)."""
     call.baseline = None
-    admission = request.app[ADMISSION]
+    admission = call.context.app[ADMISSION]
     if admission.max_concurrency != 1 or admission.in_flight != 1:
         return
-    call.baseline = await request.app[IDLE_COUNTERS].baseline_at_once(admission.grants)
+    call.baseline = await call.context.app[IDLE_COUNTERS].baseline_at_once(admission.grants)
 
 
 async def settle(request: web.Request, call: ModelCall) -> None:
@@ -150,22 +150,22 @@ async def settle(request: web.Request, call: ModelCall) -> None:
     """
     assert call.plan is not None and call.hold is not None
     usage = call.usage
-    if needs_prompt_count(call) and request.app[ENGINE_STATE].ready:
-        counter = request.app[ENGINES].counter(call.engine)
+    if needs_prompt_count(call) and call.context.app[ENGINE_STATE].ready:
+        counter = call.context.app[ENGINES].counter(call.engine)
         usage.prompt_tokens = await counter.count_prompt(
             call.plan.tokenize_request(), timeout=PROMPT_COUNT_TIMEOUT_S
         )
     tokens = _count(request, call)
-    await request.app[BUDGETS].settle(call.hold, tokens)
+    await call.context.app[BUDGETS].settle(call.hold, tokens)
 
 
 def settle_now(request: web.Request, call: ModelCall) -> bool:
     """`settle` without awaiting, when it has nothing to wait for (no prompt count to ask the
     engine, budgets in memory); False (nothing done) otherwise."""
     assert call.plan is not None and call.hold is not None
-    if needs_prompt_count(call) and request.app[ENGINE_STATE].ready:
+    if needs_prompt_count(call) and call.context.app[ENGINE_STATE].ready:
         return False
-    budgets = request.app[BUDGETS]
+    budgets = call.context.app[BUDGETS]
     if not budgets.in_memory:
         return False
     budgets.settle_now(call.hold, _count(request, call))
@@ -179,7 +179,7 @@ def _count(request: web.Request, call: ModelCall) -> int:
     prompt, completion = usage.settle(call.plan.prompt_fallback, call.plan.n)
     if usage.source in ("engine", "streamed", "counters") and prompt > call.plan.prompt_ceiling:
         # The template rendered more than `gateway.ceiling` bounds: the reservation was short.
-        request.app[METRICS].prompt_ceiling_exceeded.inc()
+        call.context.app[METRICS].prompt_ceiling_exceeded.inc()
         log.error(
             "prompt_ceiling_exceeded",
             prompt_tokens=prompt,
@@ -187,7 +187,7 @@ def _count(request: web.Request, call: ModelCall) -> int:
             exact=call.plan.prompt_exact,
         )
     if usage.reached_engine:
-        metrics = request.app[METRICS]
+        metrics = call.context.app[METRICS]
         metrics.tokens.labels(call.caller.label, "prompt").inc(prompt)
         metrics.tokens.labels(call.caller.label, "completion").inc(completion)
     return prompt + completion

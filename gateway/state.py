@@ -114,6 +114,8 @@ class RequestContext:
         started: clock reading at arrival (seconds, the app's monotonic clock).
         route: the route template (bounded, `gateway.metrics.ROUTES`).
         live: the configuration snapshot this request runs under.
+        app: the application serving it (``request.app``, kept: aiohttp resolves that
+            property through the route's match on every read).
         dialect: the client API of the route (error shape; OpenAI's for plain routes).
         caller: the authenticated caller, or None.
         call: the model request, or None.
@@ -128,6 +130,7 @@ class RequestContext:
     started: float
     route: str
     live: Live
+    app: web.Application
     client_request_id: bool = False
     dialect: Dialect = CHAT
     caller: Caller | None = None
@@ -154,6 +157,8 @@ class ModelCall:
         context: the HTTP request's `RequestContext` (id, snapshot, caller, status).
         caller: the authenticated caller (the same as ``context.caller``).
         dialect: the client API this request speaks.
+        live: the configuration snapshot of this request (``context.live``).
+        settings: the settings of that snapshot (``live.settings``).
         plan: the engine request and its facts, once the body was planned.
         hold: what the call holds against its tenant's budgets (`gateway.budgets`), once taken.
         ticket: the admission ticket, once queued.
@@ -181,6 +186,8 @@ class ModelCall:
     context: RequestContext
     caller: Caller
     dialect: Dialect
+    live: Live
+    settings: Settings
     plan: RequestPlan | None = None
     hold: Hold | None = None
     ticket: Ticket | None = None
@@ -200,16 +207,6 @@ class ModelCall:
     def reservation(self) -> Reservation | None:
         """The rate-limit part of ``hold`` (its headers go on the answer), once taken."""
         return self.hold.rate if self.hold is not None else None
-
-    @property
-    def live(self) -> Live:
-        """The configuration snapshot of this request."""
-        return self.context.live
-
-    @property
-    def settings(self) -> Settings:
-        """The settings of this request's snapshot."""
-        return self.context.live.settings
 
 
 FinishHook = Callable[[RequestContext], None]
