@@ -165,6 +165,7 @@ class Flights:
             "Bytes of answers kept for retries to attach to or replay (retries.max_bytes bounds).",
             registry=registry,
         )
+        self.buffered.set_function(lambda: self.bytes)  # read when scraped
 
     # -- the shared bound (`gateway.flight.Budget`) --
 
@@ -177,13 +178,11 @@ class Flights:
         if self.bytes + size > self.max_bytes:
             return False
         self.bytes += size
-        self.buffered.set(self.bytes)
         return True
 
     def give(self, size: int) -> None:
         """Give back ``size`` bytes."""
         self.bytes -= size
-        self.buffered.set(self.bytes)
 
     # -- matching --
 
