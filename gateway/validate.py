@@ -15,6 +15,7 @@ integer too long to print, a lone UTF-16 surrogate) anywhere in a body, with its
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -38,18 +39,23 @@ def _fail(name: str, expected: str) -> BadRequest:
     return BadRequest(f"'{name}' must be {expected}.", param=name)
 
 
+_FLOAT_MAX = sys.float_info.max
+
+
 def is_int(value: Any) -> bool:
     """True for a JSON integer (a Python int that is not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_number(value: Any) -> bool:
-    """True for a finite JSON number (int or float, not bool)."""
+    """True for a finite JSON number (int or float, not bool) that a 64-bit float can hold: the
+    engine reads these fields as floats, and an integer past ``sys.float_info.max`` (a JSON
+    number of 309 digits or more) would fail its conversion there (`OverflowError`, a 5xx)."""
     if isinstance(value, bool):
         return False
     if isinstance(value, float):
         return math.isfinite(value)
-    return isinstance(value, int)
+    return isinstance(value, int) and -_FLOAT_MAX <= value <= _FLOAT_MAX
 
 
 def number(
@@ -101,6 +107,8 @@ def _kind(value: Any) -> str:
         return "a boolean"
     if isinstance(value, float) and not math.isfinite(value):
         return "a number out of range (JSON numbers must be finite)"
+    if isinstance(value, int) and not -_FLOAT_MAX <= value <= _FLOAT_MAX:
+        return "a number out of range (larger than a 64-bit float holds)"
     if isinstance(value, (int, float)):
         return "a number"
     if isinstance(value, str):

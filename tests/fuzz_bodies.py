@@ -95,6 +95,7 @@ _number = st.one_of(
             Raw("1e400"),
             Raw("-1e999"),
             Raw("9" * 5000),
+            Raw("1" + "0" * 400),  # an integer no float holds
             Raw("-0"),
             Raw("1.0"),
             Raw("2.5e-400"),

@@ -117,6 +117,11 @@ NUMBERS = [
     ("presence_penalty", b"-" + b"9" * 5000),
     ("x_unknown_field", b"1e400"),
     ("x_unknown_field", b"7" * 5000),
+    # Integers a float cannot hold (309 digits and more) in the fields the engine reads as
+    # floats: its conversion would fail (a 5xx), so they are refused here.
+    ("temperature", b"1" + b"0" * 400),
+    ("repetition_penalty", b"9" * 309),
+    ("length_penalty", b"-" + b"9" * 400),
 ]
 
 
@@ -298,4 +303,31 @@ def test_own_credential_in_the_body_is_refused(stack: Gateway) -> None:
     r = post(stack, CHAT, {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
     assert r.status_code == 400
     assert KEY_A not in r.text and KEY_A[7:27] not in r.text
+    assert engine_calls(stack.sim) == before
+
+
+@pytest.mark.parametrize(
+    ("path", "head"),
+    [
+        ("/v1/responses", b'{"input":"hi","max_output_tokens":4,'),
+        ("/v1/messages", b'{"max_tokens":4,"messages":[{"role":"user","content":"hi"}],'),
+    ],
+    ids=["responses", "messages"],
+)
+def test_c23_an_integer_no_float_holds_is_refused_on_translated_routes(
+    stack: Gateway, path: str, head: bytes
+) -> None:
+    """C23 (C28's kind): ``temperature`` of 401 digits is a 400 in the route's own error shape
+    on the routes translated onto chat; the engine, which reads it as a float, never sees it."""
+    before = engine_calls(stack.sim)
+    r = post(
+        stack, path, head + b'"model":"' + ALIAS.encode() + b'","temperature":1' + b"0" * 400 + b"}"
+    )
+    assert r.status_code == 400, r.text[:300]
+    body = r.json()
+    if path == "/v1/messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    else:
+        assert body["error"]["type"] == "invalid_request_error"
+    assert "temperature" in r.text and "0" * 50 not in r.text
     assert engine_calls(stack.sim) == before
