@@ -325,11 +325,11 @@ class Forecaster:
             decoded = completion
         if decoded >= MIN_DECODE_SAMPLE_TOKENS and decode_s >= MIN_SAMPLE_S:
             self._decode_spt = _average(self._decode_spt, decode_s / decoded)
-        self._settings = settings
 
     def export(self, settings: DeadlineSettings) -> None:
         """Show the speeds in force in the ``gateway_forecast_*`` gauges, read when scraped
-        with the settings last given here (at start and on every reload) or to `settled`."""
+        with the settings last given here (at start and on every reload: a request that
+        started before a reload does not bring its older defaults back when it settles)."""
         self._settings = settings
         if self._exported:
             return

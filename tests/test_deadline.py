@@ -4,6 +4,7 @@ finished requests, Retry-After and the error metric."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -346,3 +347,27 @@ def test_retry_after_is_when_the_request_would_finish_in_time(
     forecast = Forecast(start, own, 0.0, 3)
     assert retry_after_s(deadline, forecast, own) == pytest.approx(expected)
     assert math.ceil(expected) >= 1
+
+
+def test_forecast_gauges_keep_a_reloads_defaults_when_an_older_request_settles() -> None:
+    """The ``gateway_forecast_*`` gauges show the defaults of the last reload (`export`) until a
+    speed is measured: a request that started before the reload settling with its own older
+    settings does not bring those back."""
+    clock = FakeClock()
+    metrics = Metrics(CollectorRegistry())
+    queue = AdmissionQueue(1, 64, 600.0, metrics, clock=clock)
+    forecaster = Forecaster(metrics, clock)
+    forecaster.export(SPEEDS)
+    reloaded = dataclasses.replace(SPEEDS, prefill_tokens_per_s=555.0, expected_output_tokens=77)
+    forecaster.export(reloaded)
+    assert sample(metrics, "gateway_forecast_tokens_per_second", phase="prefill") == 555.0
+    # An old request settles with the settings it started under: too short to measure a speed.
+    ticket = queue.enqueue("a", 1.0, 10)
+    forecaster.track(ticket, Work(5, 5), forecaster.forecast(queue, SPEEDS, "a", Work(5, 5)))
+    clock.advance(0.001)
+    ticket.release(10)
+    forecaster.settled(
+        ticket, SPEEDS, prompt=5, completion=5, choices=1, first_token_s=None, complete=True
+    )
+    assert sample(metrics, "gateway_forecast_tokens_per_second", phase="prefill") == 555.0
+    assert sample(metrics, "gateway_forecast_output_tokens", thinking="true") == 77
