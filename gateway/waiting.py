@@ -32,12 +32,10 @@ from gateway.admission import Ticket
 from gateway.framing import comment
 from gateway.relay import ClientStream
 from gateway.state import ModelCall
+from gateway.translate.common import BACKGROUND_TIERS
 
 QUEUED_COMMENT = comment("queued")
 PRIORITY_HEADER = "X-Request-Priority"
-BACKGROUND_TIERS = frozenset({"flex"})
-"""``service_tier`` values that mark a request as background work: OpenAI's ``flex`` tier is
-"lower priority, slower" processing (OpenAI API reference, "Flex processing")."""
 DEFAULT_KEEPALIVE_S = 5.0
 """The beat used while queued when ``server.sse_keepalive_s`` is 0 (a queued stream must show
 life: its headers are out)."""

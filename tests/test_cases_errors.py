@@ -984,19 +984,23 @@ ECHOED_AS_ASKED = [
         {"top_logprobs": 0, "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "service_tier": "auto"},
         {"top_logprobs": 0, "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "service_tier": "default"},
     ),
+    ({"service_tier": "flex"}, {"service_tier": "flex"}),  # served in the background line
+    ({"service_tier": "priority"}, {"service_tier": "default"}),  # no such tier here
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize(
-    ("asked", "echoed"), ECHOED_AS_ASKED, ids=["none", "disabled", "auto", "ids"]
+    ("asked", "echoed"),
+    ECHOED_AS_ASKED,
+    ids=["none", "disabled", "auto", "ids", "flex", "priority"],
 )
 def test_c31_responses_echo_truncation_and_max_tool_calls_as_asked(
     gw: Gateway, asked: dict[str, Any], echoed: dict[str, Any], stream: bool
 ) -> None:
     """A Responses request's `truncation` (`disabled` when absent), `max_tool_calls`, and the
     identifiers and tier it sent come back in the response object as asked (the tier as the
-    one that served it, `default`), in every event of a stream and in the stored response;
+    one that served it: `flex` in the background line, else `default`), in every event of a stream and in the stored response;
     nothing of them reaches the engine."""
     body = {**RESPONSES, **asked, "stream": stream}
     r = send(gw, "responses", body)
@@ -1031,6 +1035,9 @@ def test_c31_responses_echo_truncation_and_max_tool_calls_as_asked(
         ("max_tool_calls", 2.5),
         ("max_tool_calls", "3"),
         ("max_tool_calls", True),
+        ("service_tier", "bogus"),
+        ("service_tier", "Flex"),
+        ("service_tier", 1),
     ],
     ids=repr,
 )

@@ -25,6 +25,14 @@ from gateway.errors import (
     quotable_name,
 )
 
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+"""OpenAI's ``service_tier`` values (API reference, "Create a model response"/"Create chat
+completion"); any other is a 400."""
+BACKGROUND_TIERS = frozenset({"flex"})
+"""``service_tier`` values that mark a request as background work: OpenAI's ``flex`` tier is
+"lower priority, slower" processing (OpenAI API reference, "Flex processing"). The others are
+served in the ordinary line."""
+
 
 @dataclass
 class Translated:

@@ -37,6 +37,8 @@ from typing import Any
 
 from gateway.errors import BadRequest, quotable
 from gateway.translate.common import (
+    BACKGROUND_TIERS,
+    SERVICE_TIERS,
     Translated,
     arguments_text,
     expect,
@@ -70,8 +72,9 @@ SUMMARIES = ("auto", "concise", "detailed")
 VERBOSITIES = ("low", "medium", "high")
 TRUNCATIONS = ("auto", "disabled")
 NO_TRUNCATION = (
-    " 'truncation' is 'auto', but this server does not truncate input automatically: remove "
-    "items from the start of 'input' and send the request again."
+    " 'truncation' is 'auto', but this server does not truncate input automatically: shorten "
+    "the conversation (the items of 'input', or the stored responses 'previous_response_id' "
+    "continues) and send the request again."
 )
 """Added to the prompt-too-long 400 of a request with ``truncation: "auto"``: OpenAI would drop
 items from the start of the conversation until it fits; this server drops nothing."""
@@ -193,8 +196,8 @@ def _echoed_values(body: dict[str, Any]) -> dict[str, Any]:
     default; with ``auto`` nothing is dropped, see `NO_TRUNCATION`), ``max_tool_calls`` (it
     bounds built-in tool calls, of which none run here), ``top_logprobs``, ``user``,
     ``safety_identifier``, ``prompt_cache_key``; ``service_tier`` the tier that served it
-    (``default``, the only one here: the API reference says a response shows the tier used,
-    which may differ from the one asked)."""
+    (`_served_tier`: the API reference says a response shows the tier used, which may differ
+    from the one asked)."""
     return {
         "truncation": body.get("truncation") or "disabled",
         "max_tool_calls": body.get("max_tool_calls"),
@@ -202,8 +205,17 @@ def _echoed_values(body: dict[str, Any]) -> dict[str, Any]:
         "user": body.get("user"),
         "safety_identifier": body.get("safety_identifier"),
         "prompt_cache_key": body.get("prompt_cache_key"),
-        "service_tier": "default" if body.get("service_tier") is not None else None,
+        "service_tier": _served_tier(body.get("service_tier")),
     }
+
+
+def _served_tier(asked: Any) -> str | None:
+    """The ``service_tier`` a response shows: ``flex`` for a request served in the background
+    line (`gateway.translate.common.BACKGROUND_TIERS`), else ``default`` (``auto``, ``default``,
+    ``scale`` and ``priority`` are all served the same way here); None when none was asked."""
+    if asked is None:
+        return None
+    return asked if asked in BACKGROUND_TIERS else "default"
 
 
 def _part_text(part: Any, where: str) -> str:
@@ -453,9 +465,11 @@ def _echoed_fields(body: dict[str, Any]) -> None:
             )
     if body.get("max_tool_calls") is not None:
         positive_int(body, "max_tool_calls")
-    for name in ("user", "safety_identifier", "prompt_cache_key", "service_tier"):
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
         if body.get(name) is not None:
             expect(body[name], str, name)
+    if body.get("service_tier") is not None:
+        one_of(body["service_tier"], SERVICE_TIERS, "service_tier")
 
 
 def _text_format(text: Any, chat: dict[str, Any]) -> None:
