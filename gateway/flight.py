@@ -93,6 +93,7 @@ class Flight:
         "digest",
         "done",
         "error",
+        "error_status",
         "finished_at",
         "followers",
         "headers",
@@ -140,6 +141,7 @@ class Flight:
         self.cut = False
         self.done = False
         self.error: BaseException | None = None
+        self.error_status = 0  # the leader's stream ended with an error event of this status
         self.finished_at: float | None = None
         self.delivered = False
         self.clients = 1
@@ -204,8 +206,10 @@ class Flight:
             self._trim()
         self._notify()
 
-    def ended(self) -> None:
-        """The leader's stream ended (its last bytes were `sent`)."""
+    def ended(self, error_status: int = 0) -> None:
+        """The leader's stream ended (its last bytes were `sent`); ``error_status``: with an
+        error event of that status (0: none), which its followers' streams end with too."""
+        self.error_status = error_status
         self.done = True
         self.finished_at = self._clock()
         if self.clients > 0:

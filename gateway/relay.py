@@ -74,8 +74,8 @@ class Tap(Protocol):
     def sent(self, data: bytes) -> None:
         """Bytes written."""
 
-    def ended(self) -> None:
-        """The stream ended."""
+    def ended(self, error_status: int = 0) -> None:
+        """The stream ended (with an error event of ``error_status``; 0: without one)."""
 
     def lost(self) -> bool:
         """The client went away: True when the stream goes on without it (detached)."""
@@ -319,7 +319,7 @@ class ClientStream:
         tap = self.tap
         if tap is not None:
             tap.sent(tail)
-            tap.ended()
+            tap.ended(self._call.context.error_status)
         self._call.context.status = 200
         if tap is None or not tap.detached:
             if tail and (at_once or not self._fits(len(tail))):
@@ -367,7 +367,7 @@ class ClientStream:
         tap = self.tap
         if tap is not None:
             tap.sent(event)
-            tap.ended()
+            tap.ended(self._call.context.error_status)
             if tap.detached:
                 return response
         self._headers_held = False  # aiohttp's writer sends them with the event

@@ -546,6 +546,8 @@ async def _follow_stream(
                 break
             continue
         if flight.done:
+            # The stream it relayed ended as the leader's did: with its error event, logged so.
+            call.context.error_status = call.context.error_status or flight.error_status
             await response.write_eof()
             return response
         await changed.wait()

@@ -615,3 +615,31 @@ async def test_count_tokens_does_not_read_idempotency_keys(stack: Stack) -> None
     )
     assert reply.status == 200
     assert sum(matches(stack, "key", outcome) for outcome in ("attach", "replay", "conflict")) == 0
+
+
+async def test_an_attached_stream_ending_in_an_error_is_logged_with_its_status(
+    stack: Stack,
+) -> None:
+    """A generation cut by the engine ends the leader's stream and the attached one's with the
+    same error event; both access lines say so (``error_status`` 502, a warning), not only the
+    leader's."""
+    headers = {**AUTH_A, "Idempotency-Key": "cut-1"}
+    body = chat_body(stream=True, max_tokens=30, sim={**SLOW, "drop_after": 6})
+    with capture_logs() as entries:
+        first = await stack.client.post(CHAT, json=body, headers=headers)
+        assert first.status == 200
+        head = await first.content.readuntil(b"\n\n")
+        second = await stack.client.post(CHAT, json=body, headers=headers)
+        assert second.headers["Idempotent-Replayed"] == "true"
+        rest, attached = await asyncio.gather(first.read(), second.read())
+        whole = head + rest
+        assert await until(lambda: sum(e["event"] == "request" for e in entries) == 2)
+    assert attached == whole
+    assert "error" in json.loads(sse_data(attached)[-1])
+    lines = {e.get("reason"): e for e in entries if e["event"] == "request"}
+    follower = lines["retry_attached"]
+    leader = next(e for reason, e in lines.items() if reason != "retry_attached")
+    assert (leader["status"], leader["error_status"]) == (200, 502), leader
+    assert (follower["status"], follower["error_status"]) == (200, 502), follower
+    assert follower["log_level"] == "warning"
+    assert generations(stack) == 1
