@@ -342,6 +342,17 @@ class Flight:
         else:
             self._expire()
 
+    def end_if_orphaned(self) -> bool:
+        """End the generation now when no client reads it (one kept for ``orphan_grace_s`` in
+        case a retry attaches); True when it did. For a drain: no connection can attach any
+        more once the listeners are closed."""
+        if self.clients > 0 or self.done or self.task is None:
+            return False
+        if self._timer is not None:
+            self._timer.cancel()
+        self._expire()
+        return True
+
     def _expire(self) -> None:
         self._timer = None
         if self.clients == 0 and not self.done and self.task is not None:

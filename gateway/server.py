@@ -21,6 +21,7 @@ from gateway.config import ConfigError, Settings, listener_problem
 from gateway.drain import Drain
 from gateway.exposition import create_metrics_app
 from gateway.http_errors import GatewayRunner
+from gateway.retries import FLIGHTS
 from gateway.state import ADMISSION, DRAIN, LIVE, METRICS, RELOADER
 from gateway.tls import TlsFiles
 
@@ -159,7 +160,9 @@ def _tls_files(cert_file: str, key_file: str, name: str) -> TlsFiles | None:
 async def _drain(
     app: web.Application, runners: list[web.AppRunner], drain: Drain, grace: float
 ) -> None:
-    """Stop accepting, refuse the queue and newcomers, wait up to ``grace``, end the rest."""
+    """Stop accepting, refuse the queue and newcomers, end the generations no client reads
+    (kept for a retry that can no longer come: `Flights.end_orphans`), wait up to ``grace``
+    for the rest, end what remains."""
     admission = app[ADMISSION]
     log.info(
         "gateway_draining",
@@ -174,6 +177,7 @@ async def _drain(
             r.server.pre_shutdown()  # idle keep-alive connections close; busy ones after
     drain.begin()
     refused = admission.close(Drain.error)
+    orphans = app[FLIGHTS].end_orphans()  # no connection can attach to them any more
     deadline = time.monotonic() + grace
     while (admission.in_flight or drain.open_requests) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -183,7 +187,7 @@ async def _drain(
         end = time.monotonic() + _CLEANUP_S
         while drain.open_requests and time.monotonic() < end:
             await asyncio.sleep(0.02)
-    log.info("gateway_drained", queued_refused=refused, cut_by_shutdown=cut)
+    log.info("gateway_drained", queued_refused=refused, orphans_ended=orphans, cut_by_shutdown=cut)
 
 
 def _force_exit(drain: Drain) -> None:

@@ -305,6 +305,42 @@ def test_c21_drain_refuses_the_queue_at_once_and_exits_within_grace(
     assert len(gw.sim.model_records()) == 1 if gw.sim else True, "the queued request was started"
 
 
+def test_c21_a_generation_no_client_reads_ends_when_the_drain_begins(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """C21: a stream with an ``Idempotency-Key`` whose client left is kept running for a retry
+    to attach (``retries.orphan_grace_s``); once SIGTERM closes the listeners none can come, so
+    it is aborted at once instead of generating for nobody until the grace: the gateway exits
+    well before the grace, the engine's record says aborted, the access line says the client
+    left."""
+    grace = 8.0
+    gw = gateway_factory(
+        sim_factory(),
+        {"server": {"shutdown_grace_s": grace}, "retries": {"orphan_grace_s": 30.0}},
+    )
+    slow = chat({"tokens_per_second": 10, "completion_tokens": 300}, stream=True)
+    headers = {**AUTH, "Idempotency-Key": "orphan-at-drain"}
+    with httpx.stream(
+        "POST", gw.url("/v1/chat/completions"), json=slow, headers=headers, timeout=30
+    ) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # the first event: the generation runs; then the client leaves
+    assert wait_until(lambda: in_flight(gw) == 1, 5)
+    time.sleep(0.5)
+    assert in_flight(gw) == 1, "the generation was not kept for a retry"
+    signalled = time.monotonic()
+    gw.proc.send_signal(signal.SIGTERM)
+    assert gw.proc.wait(grace + 5) == 0
+    assert time.monotonic() - signalled < grace / 2, "the orphan held the drain"
+    assert gw.sim is not None
+    (record,) = gw.sim.model_records()
+    assert record.get("outcome") == "aborted", record
+    (line,) = [e for e in gw.access_logs() if e.get("route") == "/v1/chat/completions"]
+    assert line.get("reason") != "shutdown" and not line.get("error_status"), line
+    drained = [e for e in gw.logs() if e.get("event") == "gateway_drained"]
+    assert drained and drained[-1]["orphans_ended"] == 1, drained
+
+
 def _refused(gw: Gateway) -> bool:
     try:
         r = httpx.get(gw.url("/health"), timeout=1)
