@@ -50,6 +50,9 @@ class Drain:
         self._tasks: dict[asyncio.Task[object], int] = {}  # task: how many `track`s hold it
         self._tracking = _Tracking(self, answering=False)
         self._answering = _Tracking(self, answering=True)
+        self._uploading: set[asyncio.Task[object]] = set()  # tasks reading a request's body
+        self._upload = _Uploading(self)
+        self._cut: set[asyncio.Task[object]] = set()  # uploads the drain ended
 
     @staticmethod
     def error() -> EngineUnavailable:
@@ -84,9 +87,27 @@ class Drain:
         """
         return self._answering
 
+    def uploading(self) -> _Uploading:
+        """A context manager around the read of a request's body: the drain ends such a read
+        as it begins (`end_uploads`)."""
+        return self._upload
+
+    def end_uploads(self) -> int:
+        """Cancel every request still reading its body (their ``answering`` answers 503); how
+        many. Once the listeners close, aiohttp reads nothing more from any connection
+        (``RequestHandler.close``), so such a body can never arrive: waiting for it would
+        only hold the drain for its grace."""
+        cut = [task for task in self._uploading if not task.done()]
+        for task in cut:
+            self._cut.add(task)
+            task.cancel(SHUTDOWN_MESSAGE)
+        return len(cut)
+
     def cut_by_shutdown(self) -> bool:
-        """True inside a tracked task whose cancellation came from `expire`."""
-        return self.expired and asyncio.current_task() in self._tasks
+        """True inside a tracked task whose cancellation came from `expire`, or from
+        `end_uploads`."""
+        task = asyncio.current_task()
+        return (self.expired and task in self._tasks) or task in self._cut
 
     def announce(self) -> None:
         """A drain is coming: ``/ready`` says 503 from now on."""
@@ -154,7 +175,36 @@ class _Tracking:
         held = tasks.pop(task) - 1
         if held:
             tasks[task] = held
+        else:
+            drain._cut.discard(task)
         if cut:
             if hasattr(task, "uncancel"):
                 task.uncancel()  # handled: the 503 below is the answer
-            raise drain.error() from None
+            error = drain.error()
+            error.headers["Connection"] = "close"  # nothing more is read on this connection
+            raise error from None
+
+
+class _Uploading:
+    """`Drain.uploading`'s context manager: the current task is reading a body meanwhile. One
+    object per drain serves every request (what it marks is the current task)."""
+
+    __slots__ = ("_drain",)
+
+    def __init__(self, drain: Drain) -> None:
+        self._drain = drain
+
+    def __enter__(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._drain._uploading.add(task)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._drain._uploading.discard(task)

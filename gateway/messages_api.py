@@ -196,7 +196,8 @@ async def _count(request: web.Request, caller: Caller, memory_hold: BodyHold) ->
     app = request.app
     live = request[CONTEXT].live
     settings = live.settings
-    raw = await read_held(request, app[BODY_MEMORY], memory_hold, settings.server, caller.label)
+    with app[DRAIN].uploading():
+        raw = await read_held(request, app[BODY_MEMORY], memory_hold, settings.server, caller.label)
     authorization = credential(request, ANTHROPIC)
     if len(raw) > OFFLOAD_BYTES:
         job = Job(

@@ -130,8 +130,11 @@ async def hold_body(request: web.Request, call: ModelCall) -> bytes:
     request's bodies are dropped."""
     tenant = call.caller.tenant
     hold = call.body_hold = BodyHold(tenant.name, tenant.weight)
-    memory = call.context.app[BODY_MEMORY]
-    return await read_held(request, memory, hold, call.settings.server, call.caller.label)
+    app = call.context.app
+    with app[DRAIN].uploading():
+        return await read_held(
+            request, app[BODY_MEMORY], hold, call.settings.server, call.caller.label
+        )
 
 
 async def plan_call(request: web.Request, call: ModelCall) -> bytes:

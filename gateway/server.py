@@ -177,6 +177,7 @@ async def _drain(
             r.server.pre_shutdown()  # idle keep-alive connections close; busy ones after
     drain.begin()
     refused = admission.close(Drain.error)
+    uploads = drain.end_uploads()  # bodies that can no longer arrive
     orphans = app[FLIGHTS].end_orphans()  # no connection can attach to them any more
     deadline = time.monotonic() + grace
     while (admission.in_flight or drain.open_requests) and time.monotonic() < deadline:
@@ -187,7 +188,13 @@ async def _drain(
         end = time.monotonic() + _CLEANUP_S
         while drain.open_requests and time.monotonic() < end:
             await asyncio.sleep(0.02)
-    log.info("gateway_drained", queued_refused=refused, orphans_ended=orphans, cut_by_shutdown=cut)
+    log.info(
+        "gateway_drained",
+        queued_refused=refused,
+        uploads_refused=uploads,
+        orphans_ended=orphans,
+        cut_by_shutdown=cut,
+    )
 
 
 def _force_exit(drain: Drain) -> None:

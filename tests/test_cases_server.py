@@ -341,6 +341,46 @@ def test_c21_a_generation_no_client_reads_ends_when_the_drain_begins(
     assert drained and drained[-1]["orphans_ended"] == 1, drained
 
 
+def test_c21_a_body_still_arriving_when_the_drain_begins_is_refused_at_once(
+    gateway_factory: Any, sim_factory: Any
+) -> None:
+    """C21: once SIGTERM closes the listeners nothing more is read from any connection, so a
+    request whose body is still arriving can never be served: it is answered 503
+    ``shutting_down`` (``Connection: close``) at once, not when the grace ends, and the gateway
+    exits well before the grace; nothing reached the engine."""
+    grace = 8.0
+    gw = gateway_factory(sim_factory(), {"server": {"shutdown_grace_s": grace}})
+    body = json.dumps(chat()).encode()
+    port = urlparse(gw.base_url).port
+    assert port is not None
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body[:20])
+        time.sleep(1.0)  # the handler is reading the body
+        signalled = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        answered = time.monotonic() - signalled
+    head_text, _, payload = answer.partition(b"\r\n\r\n")
+    assert head_text.startswith(b"HTTP/1.1 503"), answer[:300]
+    assert b"connection: close" in head_text.lower()
+    assert json.loads(payload)["error"]["code"] == "shutting_down"
+    assert answered < 2.0, answered
+    assert gw.proc.wait(grace + 5) == 0
+    assert time.monotonic() - signalled < grace / 2, "the upload held the drain"
+    assert gw.sim is not None and gw.sim.model_records() == []
+    drained = [e for e in gw.logs() if e.get("event") == "gateway_drained"]
+    assert drained and drained[-1]["uploads_refused"] == 1, drained
+
+
 def _refused(gw: Gateway) -> bool:
     try:
         r = httpx.get(gw.url("/health"), timeout=1)
