@@ -53,6 +53,7 @@ class Drain:
         self._uploading: set[asyncio.Task[object]] = set()  # tasks reading a request's body
         self._upload = _Uploading(self)
         self._cut: set[asyncio.Task[object]] = set()  # uploads the drain ended
+        self._requests: set[asyncio.Task[object]] = set()  # tasks inside `answering`
 
     @staticmethod
     def error() -> EngineUnavailable:
@@ -66,8 +67,14 @@ class Drain:
 
     @property
     def open_requests(self) -> int:
-        """Model requests inside `track` now."""
-        return len(self._tasks)
+        """Model requests inside `answering` now (one per client connection; a request's
+        retry leader runs in a task of its own, tracked but not counted here)."""
+        return len(self._requests)
+
+    @property
+    def busy(self) -> bool:
+        """Some task is inside `track` or `answering`: what the drain waits for."""
+        return bool(self._tasks)
 
     def track(self) -> _Tracking:
         """Register the current task as a model request the drain waits for and may end, until
@@ -125,12 +132,13 @@ class Drain:
         self.forced = True
 
     def expire(self) -> int:
-        """The grace is over: cancel every tracked request (they end with `error`); returns how many."""
+        """The grace is over: cancel every tracked task (their requests end with `error`);
+        returns how many requests (`open_requests`) that ends."""
         self.expired = True
-        tasks = list(self._tasks)
-        for task in tasks:
+        requests = len(self._requests)
+        for task in list(self._tasks):
             task.cancel(SHUTDOWN_MESSAGE)
-        return len(tasks)
+        return requests
 
 
 class _Tracking:
@@ -152,6 +160,8 @@ class _Tracking:
         if task is not None:
             tasks = self._drain._tasks
             tasks[task] = tasks.get(task, 0) + 1
+            if self._answering:
+                self._drain._requests.add(task)
 
     def __exit__(
         self,
@@ -177,6 +187,8 @@ class _Tracking:
             tasks[task] = held
         else:
             drain._cut.discard(task)
+        if self._answering:
+            drain._requests.discard(task)
         if cut:
             if hasattr(task, "uncancel"):
                 task.uncancel()  # handled: the 503 below is the answer

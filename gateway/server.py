@@ -180,13 +180,13 @@ async def _drain(
     uploads = drain.end_uploads()  # bodies that can no longer arrive
     orphans = app[FLIGHTS].end_orphans()  # no connection can attach to them any more
     deadline = time.monotonic() + grace
-    while (admission.in_flight or drain.open_requests) and time.monotonic() < deadline:
+    while (admission.in_flight or drain.busy) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     cut = 0
-    if admission.in_flight or drain.open_requests:
+    if admission.in_flight or drain.busy:
         cut = drain.expire()
         end = time.monotonic() + _CLEANUP_S
-        while drain.open_requests and time.monotonic() < end:
+        while drain.busy and time.monotonic() < end:
             await asyncio.sleep(0.02)
     log.info(
         "gateway_drained",

@@ -444,6 +444,9 @@ def test_c21_open_streams_end_with_an_error_event_at_the_grace(
     cut = [e for e in lines if e.get("reason") == "shutdown"]
     assert len(cut) >= 2, lines
     assert not [e for e in lines if e.get("reason") == "client_disconnect"]
+    # Requests, not tasks: each stream also runs a retry leader's task of its own.
+    (drained,) = [e for e in gw.logs() if e.get("event") == "gateway_drained"]
+    assert drained["cut_by_shutdown"] == 2, drained
 
 
 def test_c21_a_second_signal_exits_at_once_and_logs_the_cut_streams_as_shutdown(
@@ -493,7 +496,8 @@ def test_c21_a_second_signal_exits_at_once_and_logs_the_cut_streams_as_shutdown(
     lines = [e for e in gw.access_logs() if e.get("route") == "/v1/chat/completions"]
     assert len(lines) == 2, lines
     assert [e.get("reason") for e in lines] == ["shutdown", "shutdown"], lines
-    assert any(e.get("event") == "gateway_forced_exit" for e in gw.logs())
+    (forced,) = [e for e in gw.logs() if e.get("event") == "gateway_forced_exit"]
+    assert forced["open_requests"] == 2, forced  # the stream and the queued request
 
 
 # ---------------------------------------------------------------------------- 100 Continue
