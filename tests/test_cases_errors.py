@@ -868,13 +868,8 @@ def test_c31_the_maximum_prompt_is_one_number_around_the_boundary(
             assert said == f"prompt is too long: {tokens} tokens > 4095 maximum", (tokens, said)
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
-def test_c31_an_overflow_of_the_servers_own_output_budget_says_so(
-    sim_factory: Any, gateway_factory: Any, route: str
-) -> None:
-    """No output budget in the request and a prompt over the context: the 400 states the
-    prompt's real count against the real context and does not say the client requested the
-    output tokens this server set; one with the client's own max_tokens keeps vLLM's words."""
+def _overflowing(sim_factory: Any, gateway_factory: Any) -> tuple[Gateway, str, int]:
+    """A gateway before a 2,048-token context, a text over it and its count by the engine."""
     sim = sim_factory("--max-model-len", "2048")
     gateway = gateway_factory(sim, {"engine": {"max_model_len": 2048}})
     text = "word " * 3000
@@ -885,6 +880,17 @@ def test_c31_an_overflow_of_the_servers_own_output_budget_says_so(
         timeout=30,
     ).json()["input_tokens"]
     assert counted > 2048
+    return gateway, text, counted
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+def test_c31_an_overflow_of_the_servers_own_output_budget_says_so(
+    sim_factory: Any, gateway_factory: Any, route: str
+) -> None:
+    """No output budget in the request and a prompt over the context: the 400 states the
+    prompt's real count against the real context and does not say the client requested the
+    output tokens this server set; one with the client's own max_tokens keeps vLLM's words."""
+    gateway, text, counted = _overflowing(sim_factory, gateway_factory)
     if route == "/v1/responses":
         body: dict[str, Any] = {"model": ALIAS, "input": [{"role": "user", "content": text}]}
     else:
@@ -1063,16 +1069,7 @@ def test_c31_truncation_auto_over_the_context_says_nothing_is_dropped(
     `context_length_exceeded` as without it, stating the prompt's counted tokens against the
     context, and says that this server does not truncate input automatically; without
     `auto` it does not."""
-    sim = sim_factory("--max-model-len", "2048")
-    gateway = gateway_factory(sim, {"engine": {"max_model_len": 2048}})
-    text = "word " * 3000
-    counted = httpx.post(
-        gateway.url("/v1/messages/count_tokens"),
-        json={"model": ALIAS, "messages": [{"role": "user", "content": text}]},
-        headers=ANTHROPIC,
-        timeout=30,
-    ).json()["input_tokens"]
-    assert counted > 2048
+    gateway, text, counted = _overflowing(sim_factory, gateway_factory)
     said = {}
     for truncation in ("auto", "disabled", None):
         body: dict[str, Any] = {"model": ALIAS, "input": text, "stream": stream}
