@@ -51,9 +51,11 @@ class Drain:
         self._tracking = _Tracking(self, answering=False)
         self._answering = _Tracking(self, answering=True)
         self._uploading: set[asyncio.Task[object]] = set()  # tasks reading a request's body
-        self._upload = _Uploading(self)
+        self._upload = _Marking(self._uploading)
         self._cut: set[asyncio.Task[object]] = set()  # uploads the drain ended
         self._requests: set[asyncio.Task[object]] = set()  # tasks inside `answering`
+        self._delegated: set[asyncio.Task[object]] = set()  # answered by another task's work
+        self._delegating = _Marking(self._delegated)
 
     @staticmethod
     def error() -> EngineUnavailable:
@@ -94,10 +96,18 @@ class Drain:
         """
         return self._answering
 
-    def uploading(self) -> _Uploading:
+    def uploading(self) -> _Marking:
         """A context manager around the read of a request's body: the drain ends such a read
         as it begins (`end_uploads`)."""
         return self._upload
+
+    def delegating(self) -> _Marking:
+        """A context manager around a request's wait for a generation another task runs (a
+        retry flight's leader task, or the flight a retry attached to): `expire` ends that
+        task, whose stream then ends with the drain's error event, and this one relays that
+        end; cancelling the waiting one too would answer a second time on a stream already
+        under way."""
+        return self._delegating
 
     def end_uploads(self) -> int:
         """Cancel every request still reading its body (their ``answering`` answers 503); how
@@ -137,7 +147,8 @@ class Drain:
         self.expired = True
         requests = len(self._requests)
         for task in list(self._tasks):
-            task.cancel(SHUTDOWN_MESSAGE)
+            if task not in self._delegated:  # it ends with the task it waits for
+                task.cancel(SHUTDOWN_MESSAGE)
         return requests
 
 
@@ -197,19 +208,19 @@ class _Tracking:
             raise error from None
 
 
-class _Uploading:
-    """`Drain.uploading`'s context manager: the current task is reading a body meanwhile. One
-    object per drain serves every request (what it marks is the current task)."""
+class _Marking:
+    """`Drain.uploading`'s and `Drain.delegating`'s context manager: the current task is in
+    ``tasks`` meanwhile. One object per drain and set serves every request."""
 
-    __slots__ = ("_drain",)
+    __slots__ = ("_tasks",)
 
-    def __init__(self, drain: Drain) -> None:
-        self._drain = drain
+    def __init__(self, tasks: set[asyncio.Task[object]]) -> None:
+        self._tasks = tasks
 
     def __enter__(self) -> None:
         task = asyncio.current_task()
         if task is not None:
-            self._drain._uploading.add(task)
+            self._tasks.add(task)
 
     def __exit__(
         self,
@@ -219,4 +230,4 @@ class _Uploading:
     ) -> None:
         task = asyncio.current_task()
         if task is not None:
-            self._drain._uploading.discard(task)
+            self._tasks.discard(task)

@@ -57,7 +57,7 @@ from gateway.config import RetriesSettings
 from gateway.errors import BadGateway, BadRequest, ClientError, GatewayError
 from gateway.flight import ENTRY_OVERHEAD_BYTES, Flight, Follower
 from gateway.relay import TAP, close_delimited
-from gateway.state import BODY_MEMORY, METRICS, ModelCall
+from gateway.state import BODY_MEMORY, DRAIN, METRICS, ModelCall
 
 log = structlog.get_logger("gateway.retries")
 
@@ -357,7 +357,8 @@ async def lead(
     result: web.StreamResponse | None = None
     error: BaseException | None = None
     try:
-        result = await _await_leader(task, flight)
+        with call.context.app[DRAIN].delegating():  # a drain ends the task, not this wait
+            result = await _await_leader(task, flight)
         keep = _replayable(call, result.status)
         return result
     except GatewayError as exc:
@@ -472,10 +473,11 @@ async def follow(
     follower = flight.join()
     completed = False
     try:
-        if flight.stream:
-            response = await _follow_stream(request, call, flight, follower)
-        else:
-            response = await _follow_json(flight)
+        with call.context.app[DRAIN].delegating():  # a drain ends the leader's task instead
+            if flight.stream:
+                response = await _follow_stream(request, call, flight, follower)
+            else:
+                response = await _follow_json(flight)
         completed = not follower.lost
         return response
     except (asyncio.CancelledError, ConnectionResetError):

@@ -381,6 +381,54 @@ def test_c21_a_body_still_arriving_when_the_drain_begins_is_refused_at_once(
     assert drained and drained[-1]["uploads_refused"] == 1, drained
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
+def test_c21_a_keyed_stream_and_its_follower_end_with_the_drain_event_at_the_grace(
+    gateway_factory: Any, sim_factory: Any, route: str
+) -> None:
+    """C21 with retries: a stream with an ``Idempotency-Key`` and a retry attached to it are
+    both still open at the grace; each ends with the dialect's ``shutting_down`` error event
+    inside its one well-formed answer (the drain ends the generation's task, not the two
+    connections' handlers, which would answer again on a stream under way), and both access
+    lines say 200 with ``error_status`` 503."""
+    grace = 3.0
+    sim = sim_factory("--tokens-per-second", "5", "--completion-tokens", "400")
+    gw = gateway_factory(sim, {"server": {"shutdown_grace_s": grace}})
+    body = chat(stream=True, max_tokens=400)
+    headers = {**AUTH, "Idempotency-Key": f"drain-{route}"}
+    raws: dict[str, bytes] = {}
+    started = {name: threading.Event() for name in ("leader", "follower")}
+
+    def stream(name: str) -> None:
+        raw = b""
+        try:
+            with httpx.stream("POST", gw.url(route), json=body, headers=headers, timeout=30) as r:
+                for data in r.iter_raw():
+                    raw += data
+                    started[name].set()
+        except httpx.HTTPError as exc:
+            raw += b"\nCLIENT-ERROR " + repr(exc).encode()
+        raws[name] = raw
+
+    leader = threading.Thread(target=stream, args=("leader",))
+    leader.start()
+    assert started["leader"].wait(10)
+    follower = threading.Thread(target=stream, args=("follower",))
+    follower.start()
+    assert started["follower"].wait(10)
+    gw.proc.send_signal(signal.SIGTERM)
+    leader.join(grace + 10)
+    follower.join(grace + 10)
+    assert gw.proc.wait(grace + 5) == 0
+    for name, raw in raws.items():
+        assert b"CLIENT-ERROR" not in raw and b"HTTP/1.1" not in raw, (name, raw[-400:])
+        last = raw.rstrip().rsplit(b"\n\n", 1)[-1]  # the drain's event, in the dialect's shape
+        assert b"is shutting down" in last and b"error" in last, (name, raw[-400:])
+    lines = [e for e in gw.access_logs() if e.get("route") == route]
+    assert len(lines) == 2, lines
+    assert all((e["status"], e.get("error_status")) == (200, 503) for e in lines), lines
+    assert not [e for e in lines if e.get("reason") == "client_disconnect"], lines
+
+
 def _refused(gw: Gateway) -> bool:
     try:
         r = httpx.get(gw.url("/health"), timeout=1)
