@@ -85,7 +85,8 @@ def number(
 
 
 def integer(lo: int | None = None, hi: int | None = None) -> Check:
-    """A JSON integer in ``[lo, hi]``; None is no bound."""
+    """A JSON integer in ``[lo, hi]``; None is no bound but 64 bits': the engine carries every
+    integer field in 64 bits (an integer of 2**64 or more fails its encoding there, a 5xx)."""
     if lo is not None and hi is not None:
         expected = f"an integer between {lo} and {hi}"
     elif lo is not None:
@@ -98,6 +99,8 @@ def integer(lo: int | None = None, hi: int | None = None) -> Check:
             raise _fail(name, f"{expected}, not {_kind(value)}")
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             raise _fail(name, expected)
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise _fail(name, f"{expected} that fits in 64 bits")
 
     return check
 
@@ -238,6 +241,8 @@ _SAMPLING: dict[str, Check] = {
     "truncate_prompt_tokens": integer(-1),
     "response_format": obj,
     "priority": integer(),
+    "thinking_token_budget": integer(),
+    "allowed_token_ids": array_of(integer(0, INT64_MAX), "token ids"),
     # vLLM's chat and completions requests both carry it; a string "2" must be a 400 on
     # either route, never reach a comparison (case C28).
     "best_of": integer(1, MAX_N),

@@ -122,6 +122,12 @@ NUMBERS = [
     ("temperature", b"1" + b"0" * 400),
     ("repetition_penalty", b"9" * 309),
     ("length_penalty", b"-" + b"9" * 400),
+    # Integers past 64 bits in the integer fields the engine carries in 64 bits.
+    ("top_k", b"1" + b"0" * 400),
+    ("top_k", str(2**64).encode()),
+    ("min_tokens", b"9" * 100),
+    ("thinking_token_budget", b"1" + b"0" * 400),
+    ("priority", b"-" + b"9" * 30),
 ]
 
 
@@ -330,4 +336,40 @@ def test_c23_an_integer_no_float_holds_is_refused_on_translated_routes(
     else:
         assert body["error"]["type"] == "invalid_request_error"
     assert "temperature" in r.text and "0" * 50 not in r.text
+    assert engine_calls(stack.sim) == before
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "field"),
+    [
+        (
+            "/v1/responses",
+            b'{"input":"hi","max_output_tokens":1' + b"0" * 400 + b"}",
+            "max_output_tokens",
+        ),
+        ("/v1/responses", b'{"input":"hi","max_tool_calls":' + str(2**64).encode() + b"}", "max_tool_calls"),
+        (
+            "/v1/messages",
+            b'{"max_tokens":2' + b"0" * 400 + b',"thinking":{"type":"enabled","budget_tokens":1'
+            + b"0" * 400 + b'},"messages":[{"role":"user","content":"hi"}]}',
+            "budget_tokens",
+        ),
+        (
+            "/v1/messages",
+            b'{"max_tokens":4,"top_k":1' + b"0" * 400 + b',"messages":[{"role":"user","content":"hi"}]}',
+            "top_k",
+        ),
+    ],
+    ids=["responses-max_output_tokens", "responses-max_tool_calls", "messages-thinking", "messages-top_k"],
+)  # fmt: skip
+def test_c23_integers_past_64_bits_are_refused_on_translated_routes(
+    stack: Gateway, path: str, raw: bytes, field: str
+) -> None:
+    """C23 (C28's kind): an integer past 64 bits in an integer field of the translated routes
+    (an output limit, a thinking budget, ``top_k``) is a 400 naming the field; it never reaches
+    the engine, and no answer echoes it."""
+    before = engine_calls(stack.sim)
+    r = post(stack, path, raw[:1] + b'"model":"' + ALIAS.encode() + b'",' + raw[1:])
+    assert r.status_code == 400, r.text[:300]
+    assert field in r.text and "0" * 50 not in r.text
     assert engine_calls(stack.sim) == before

@@ -24,6 +24,7 @@ from gateway.errors import (
     quotable,
     quotable_name,
 )
+from gateway.validate import INT64_MAX
 
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 """OpenAI's ``service_tier`` values (API reference, "Create a model response"/"Create chat
@@ -71,6 +72,8 @@ def positive_int(body: Mapping[str, Any], name: str, *, required: bool = False) 
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise BadRequest(f"{name}: must be a positive integer", param=name)
+    if value > INT64_MAX:  # no engine field holds more; a response would echo it whole
+        raise BadRequest(f"{name}: must be a positive integer of at most 64 bits", param=name)
     return value
 
 
