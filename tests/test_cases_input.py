@@ -373,3 +373,21 @@ def test_c23_integers_past_64_bits_are_refused_on_translated_routes(
     assert r.status_code == 400, r.text[:300]
     assert field in r.text and "0" * 50 not in r.text
     assert engine_calls(stack.sim) == before
+
+
+@pytest.mark.parametrize("output", [5, {"text": "x"}, True])
+def test_a_tool_output_of_the_wrong_type_names_the_output_field(
+    stack: Gateway, output: Any
+) -> None:
+    """A Responses ``function_call_output`` whose ``output`` is neither a string nor an array
+    is a 400 naming ``input[N].output`` and what it must be, not the item itself."""
+    items = [
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": output},
+    ]
+    r = post(stack, "/v1/responses", {"model": ALIAS, "input": items})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "input[2].output", error
+    assert "must be a string or an array" in error["message"], error

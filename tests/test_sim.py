@@ -1158,3 +1158,25 @@ def test_load_time_refuses_then_sigterm_removes_the_socket() -> None:
             assert refusing.stop() == 0
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_sim_object_numbers_are_bounded() -> None:
+    """A request's ``sim`` object comes from any client of a gateway in front: a count, rate or
+    time past `MAX_SIM_NUMBER` (or NaN) is refused with a short message instead of exhausting
+    the simulator's memory, and an integer no float holds does not crash the conversion."""
+    from engine.sim.options import MAX_SIM_NUMBER, Behaviour
+
+    base = Behaviour()
+    for raw in (
+        {"completion_tokens": 10**400},
+        {"completion_tokens": MAX_SIM_NUMBER + 1},
+        {"tokens_per_second": 10**400},
+        {"prefill_ms": float("nan")},
+        {"drop_after": 2**64},
+    ):
+        with pytest.raises(ValueError) as caught:
+            base.with_request(raw)
+        assert len(str(caught.value)) < 120, caught.value
+    assert (
+        base.with_request({"completion_tokens": MAX_SIM_NUMBER}).completion_tokens == MAX_SIM_NUMBER
+    )

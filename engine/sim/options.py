@@ -32,6 +32,12 @@ DEFAULT_KV_CACHE_TOKENS = 256484
 DEFAULT_KEEP_ALIVE_S = 5.0
 
 
+MAX_SIM_NUMBER = 100_000_000
+"""The largest count, rate or time a `Behaviour` field takes: a request's `sim` object comes
+from any client of a gateway in front, and an answer of 10**400 tokens would only exhaust the
+simulator's memory (NaN and infinities fail the same test)."""
+
+
 def _opt(help_text: str, minimum: float | None = None) -> dict[str, Any]:
     return {"help": help_text, "min": minimum}
 
@@ -213,9 +219,14 @@ class _Spec:
             self.kind is not bool and isinstance(value, bool)
         )
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
+            ok = abs(value) <= MAX_SIM_NUMBER
+            value = float(value) if ok else value
         if not ok:
-            raise ValueError(f"`sim.{self.name}` must be {self.kind.__name__}, got {value!r}")
+            shown = repr(value)
+            shown = shown if len(shown) <= 40 else shown[:40] + "..."
+            raise ValueError(f"`sim.{self.name}` must be {self.kind.__name__}, got {shown}")
+        if self.kind in (int, float) and not abs(typing.cast(float, value)) <= MAX_SIM_NUMBER:
+            raise ValueError(f"`sim.{self.name}` must be at most {MAX_SIM_NUMBER:g}")
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"`sim.{self.name}` must be one of {', '.join(self.choices)}")
         if self.minimum is not None and typing.cast(float, value) < self.minimum:

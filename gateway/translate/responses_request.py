@@ -236,7 +236,9 @@ def _part_text(part: Any, where: str) -> str:
 def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
-    parts = expect(content, list, where)
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}: must be a string or an array", param=where)
+    parts = content
     return "".join(_part_text(part, f"{where}[{i}]") for i, part in enumerate(parts))
 
 
@@ -297,7 +299,9 @@ def _messages(items: list[Any], system_parts: list[str]) -> list[dict[str, Any]]
                 {
                     "role": "tool",
                     "tool_call_id": expect(item.get("call_id"), str, f"{where}.call_id"),
-                    "content": _content_text(output if output is not None else "", where),
+                    "content": _content_text(
+                        output if output is not None else "", f"{where}.output"
+                    ),
                 }
             )
         else:
