@@ -319,15 +319,17 @@ class Flights:
         """End every generation no client reads (`Flight.end_if_orphaned`); how many. A drain
         calls it once its listeners are closed: a retry could attach to such a generation only
         on a new connection, so it would run to its end, or to the grace, for nobody."""
-        running = {id(f): f for copies in self._copies.values() for f in copies}
-        running.update((id(f), f) for f in self._keys.values())
-        return sum(flight.end_if_orphaned() for flight in running.values())
+        return sum(flight.end_if_orphaned() for flight in self._known())
+
+    def _known(self) -> list[Flight]:
+        """Every flight known (running or kept), once: by its copy, its key, or both."""
+        known = {id(f): f for copies in self._copies.values() for f in copies}
+        known.update((id(f), f) for f in self._keys.values())
+        return list(known.values())
 
     def __len__(self) -> int:
         """Flights known (running or kept)."""
-        known = {id(f) for copies in self._copies.values() for f in copies}
-        known.update(id(f) for f in self._keys.values())
-        return len(known)
+        return len(self._known())
 
 
 FLIGHTS = web.AppKey("flights", Flights)
