@@ -60,6 +60,9 @@ class PlanInput:
         tenant: the caller's tenant settings.
         request_id: the gateway's request id (sent to the engine).
         salt_secret: the server secret for the per-tenant prefix-cache salt.
+        background: the request is served in the background line
+            (`gateway.waiting.background_request`); a Responses answer then shows the
+            ``flex`` tier.
     """
 
     body: Any
@@ -67,6 +70,7 @@ class PlanInput:
     tenant: TenantSettings
     request_id: str
     salt_secret: bytes
+    background: bool = False
 
 
 @dataclass(frozen=True)

@@ -138,9 +138,12 @@ def plan_body(
     """
     body = client_body(raw, authorization)
     with unplannable_as_400():
-        facts = PlanInput(body, given.settings, given.tenant, given.request_id, given.salt_secret)
+        background = background_request(headers, body)
+        facts = PlanInput(
+            body, given.settings, given.tenant, given.request_id, given.salt_secret, background
+        )
         plan = dialect.plan(facts)
-    return Planned(plan, background_request(headers, body), session_key(headers, body))
+    return Planned(plan, background, session_key(headers, body))
 
 
 class PlanWorker:

@@ -115,6 +115,9 @@ def responses_dialect(store: ResponseStore) -> Dialect:
             # The conversation it continues is held decoded and in the engine body.
             held_extra = entry.size + held_estimate(entry.input_json + entry.response_json)
         translated = translate_responses(body, history=history)
+        if given.background:
+            # Served in the background line: the response shows that tier (`_served_tier`).
+            translated.extra["service_tier"] = "flex"
         stored = given.settings.responses.store and translated.extra.get("store", True)
         translated.extra["stored"] = stored
         translated.extra["tenant"] = given.tenant.name

@@ -28,6 +28,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # OpenAI API reference: n "at most 128"; top_logprobs "between 0 and 20".
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+"""OpenAI's ``service_tier`` values (API reference, "Create a model response"/"Create chat
+completion"); any other is a 400."""
 # Python prints integers of up to 4,300 digits (sys.int_info.default_max_str_digits); longer
 # ones cannot be serialised for the engine at all.
 MAX_INT_DIGITS = 4300
@@ -127,6 +130,17 @@ def boolean(value: Any, name: str) -> None:
     """``true`` or ``false``."""
     if not isinstance(value, bool):
         raise _fail(name, f"a boolean, not {_kind(value)}")
+
+
+def one_of(values: tuple[str, ...]) -> Check:
+    """One of the strings ``values``."""
+    expected = "one of " + ", ".join(f"'{value}'" for value in values)
+
+    def check(value: Any, name: str) -> None:
+        if not isinstance(value, str) or value not in values:
+            raise _fail(name, expected)
+
+    return check
 
 
 def string(value: Any, name: str) -> None:
@@ -258,6 +272,9 @@ _CHAT: dict[str, Check] = {
     "parallel_tool_calls": boolean,
     "chat_template_kwargs": obj,
     "reasoning_effort": string,
+    # Checked as OpenAI checks it; every tier is served alike here but ``flex``, which also
+    # puts the request in the background line (`gateway.waiting.background_request`).
+    "service_tier": one_of(SERVICE_TIERS),
     "enable_thinking": boolean,
     "add_generation_prompt": boolean,
     "continue_final_message": boolean,

@@ -1029,6 +1029,21 @@ def test_c31_responses_echo_truncation_and_max_tool_calls_as_asked(
     assert not set(asked) & set(sent), sent
 
 
+@pytest.mark.parametrize("tier", [None, "auto", "priority"], ids=["none", "auto", "priority"])
+def test_a_response_served_in_the_background_line_shows_the_flex_tier(
+    gw: Gateway, tier: str | None
+) -> None:
+    """A Responses request sent with `X-Request-Priority: background` is served in the
+    background line, so its response and the stored copy show `flex`, whatever tier it asked
+    (OpenAI's reference: a response shows the tier that served it)."""
+    body = {**RESPONSES, "service_tier": tier} if tier else dict(RESPONSES)
+    r = send(gw, "responses", body, **{"X-Request-Priority": "background"})
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["service_tier"] == "flex"
+    stored = httpx.get(gw.url(f"/v1/responses/{r.json()['id']}"), headers=AUTH, timeout=30)
+    assert stored.json()["service_tier"] == "flex"
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
@@ -1058,6 +1073,40 @@ def test_c31_responses_truncation_and_max_tool_calls_are_checked(
     error = r.json()["error"]
     assert error["param"] == name and name in error["message"]
     assert error["type"] == "invalid_request_error"
+    assert engine_calls(gw) == before
+
+
+@pytest.mark.parametrize(
+    ("value", "status"),
+    [("bogus", 400), ("Flex", 400), (1, 400), (["flex"], 400), ("flex", 200), ("priority", 200)],
+    ids=repr,
+)
+def test_chat_service_tier_is_one_of_openais_tiers(gw: Gateway, value: Any, status: int) -> None:
+    """Chat's `service_tier` is checked as OpenAI checks it: one of its five tiers, else a 400
+    naming the field and the tiers, before the engine."""
+    before = engine_calls(gw)
+    r = send(gw, "chat", {**CHAT, "service_tier": value})
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        error = r.json()["error"]
+        assert error["param"] == "service_tier"
+        assert "'auto', 'default', 'flex', 'scale', 'priority'" in error["message"]
+        assert engine_calls(gw) == before
+
+
+@pytest.mark.parametrize("value", [21, -1, 10**30, True, 2.5], ids=repr)
+def test_responses_top_logprobs_out_of_openais_range_names_the_range(
+    gw: Gateway, value: Any
+) -> None:
+    """`top_logprobs` outside OpenAI's 0..20 (or not an integer) is a 400 that names the
+    range, before the engine; one within it but above 0 says log probabilities are not
+    available here."""
+    before = engine_calls(gw)
+    r = send(gw, "responses", {**RESPONSES, "top_logprobs": value})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "top_logprobs"
+    assert "between 0 and 20" in error["message"], error["message"]
     assert engine_calls(gw) == before
 
 

@@ -26,9 +26,6 @@ from gateway.errors import (
 )
 from gateway.validate import INT64_MAX
 
-SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
-"""OpenAI's ``service_tier`` values (API reference, "Create a model response"/"Create chat
-completion"); any other is a 400."""
 BACKGROUND_TIERS = frozenset({"flex"})
 """``service_tier`` values that mark a request as background work: OpenAI's ``flex`` tier is
 "lower priority, slower" processing (OpenAI API reference, "Flex processing"). The others are

@@ -38,7 +38,6 @@ from typing import Any
 from gateway.errors import BadRequest, quotable
 from gateway.translate.common import (
     BACKGROUND_TIERS,
-    SERVICE_TIERS,
     Translated,
     arguments_text,
     expect,
@@ -48,6 +47,7 @@ from gateway.translate.common import (
     positive_int,
     tool_function,
 )
+from gateway.validate import MAX_TOP_LOGPROBS, SERVICE_TIERS, integer
 
 HOSTED_TOOLS = frozenset(
     {
@@ -461,7 +461,7 @@ def _echoed_fields(body: dict[str, Any]) -> None:
         one_of(text["verbosity"], VERBOSITIES, "text.verbosity")
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None:
-        expect(top_logprobs, int, "top_logprobs")
+        integer(0, MAX_TOP_LOGPROBS)(top_logprobs, "top_logprobs")  # OpenAI's range first
         if top_logprobs != 0:
             raise BadRequest(
                 "top_logprobs: log probabilities are not available on /v1/responses here.",

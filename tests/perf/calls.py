@@ -1,6 +1,6 @@
 """How much Python one request runs through in the gateway: calls and distinct functions.
 
-``python -m tests.perf.calls [--requests 300] [--tokens 1] [--slots 4096] [--top 30]``
+``python -m tests.perf.calls [--requests 300] [--tokens 1] [--slots 4096] [--top 30] [--list]``
 
 Time per stage moves with the machine's load by more than most changes to the request path are
 worth (`tests/perf/README.md`: the rounds of one row spread by ±0.2-0.4 ms), but what the path
@@ -74,12 +74,14 @@ def _place(path: str) -> str:
     return "stdlib"
 
 
-def summarise(stats: pstats.Stats, requests: int, top: int) -> str:
-    """The report: calls and distinct functions per request, by place (module doc)."""
+def summarise(stats: pstats.Stats, requests: int, top: int, listing: bool = False) -> str:
+    """The report: calls and distinct functions per request, by place (module doc); with
+    ``listing``, also every distinct gateway function and its calls per request."""
     raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
     calls = c_calls = 0.0
     distinct: collections.Counter[str] = collections.Counter()
-    for (path, _line, _name), (_, count, _, _, _) in raw.items():
+    functions: list[tuple[str, str, float]] = []
+    for (path, _line, name), (_, count, _, _, _) in raw.items():
         per = count / requests
         if path == "~":
             c_calls += per
@@ -87,6 +89,7 @@ def summarise(stats: pstats.Stats, requests: int, top: int) -> str:
         calls += per
         if per >= MIN_PER_REQUEST:
             distinct[_place(path)] += 1
+            functions.append((_place(path), name, per))
     gateway = sum(n for place, n in distinct.items() if place.startswith("gateway/"))
     lines = [
         f"per request ({requests} requests):",
@@ -97,6 +100,11 @@ def summarise(stats: pstats.Stats, requests: int, top: int) -> str:
     ]
     for place, count in distinct.most_common(top):
         lines.append(f"  {count:4d}  {place}")
+    if listing:
+        lines.append("distinct gateway functions (calls per request):")
+        for place, name, per in sorted(functions):
+            if place.startswith("gateway/"):
+                lines.append(f"  {per:6.1f}  {place}:{name}")
     return "\n".join(lines)
 
 
@@ -110,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1, help="tokens an answer (default 1)")
     parser.add_argument("--slots", type=int, default=4096, help="engine.max_concurrency")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--list", action="store_true", help="list every gateway function run")
     parsed = parser.parse_args(args)
     with tempfile.TemporaryDirectory(prefix="q38calls-") as temp:
         work = Path(temp)
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 running.send_signal(signal.SIGTERM)
                 running.wait(30)
             sim.stop()
-        print(summarise(pstats.Stats(str(out)), parsed.requests, parsed.top))
+        print(summarise(pstats.Stats(str(out)), parsed.requests, parsed.top, parsed.list))
     return 0
 
 
