@@ -10,6 +10,7 @@ Messages are client-safe: they never contain a key, a token or a server path.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, TypeGuard
@@ -375,6 +376,10 @@ class RateLimited(ClientError):
 
     ``retry_after_s`` is the real time until that limit frees; it is sent as ``Retry-After`` in whole
     seconds, rounded up and at least 1 (RFC 9110 section 10.2.3 allows only whole seconds).
+    Infinite means the request can never pass as it is (more tokens than the whole limit, a
+    limit of 0): no ``Retry-After`` then, and ``x-should-retry: false``, which the Stainless SDKs
+    (``openai``, ``anthropic``) obey before retrying a 429 (their default: twice, with backoff
+    and the server's ``Retry-After``; two minutes lost on a 60 s one before the error showed).
     """
 
     status = 429
@@ -389,7 +394,10 @@ class RateLimited(ClientError):
         headers: Mapping[str, str] | None = None,
     ) -> None:
         merged = dict(headers or {})
-        merged["Retry-After"] = str(retry_after_header(retry_after_s))
+        if math.isinf(retry_after_s):
+            merged["x-should-retry"] = "false"
+        else:
+            merged["Retry-After"] = str(retry_after_header(retry_after_s))
         super().__init__(message, headers=merged, type=limit, reason=limit)
         self.limit = limit
         self.retry_after_s = retry_after_s

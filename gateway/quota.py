@@ -101,7 +101,8 @@ class QuotaExceeded(RateLimited):
 
     Attributes:
         window: ``day`` or ``month``, the window that refused (the later one if both did).
-        retry_after_s: seconds until that window ends (sent as ``Retry-After``).
+        retry_after_s: seconds until that window ends (sent as ``Retry-After``); infinite for
+            a request larger than the whole quota (`gateway.errors.RateLimited`).
     """
 
     code = "insufficient_quota"
@@ -168,6 +169,7 @@ def refusal(
             f"your whole {what} token quota ({name}: {limit}); it cannot pass as it is: lower "
             "max_tokens, n or the prompt."
         )
+        wait = math.inf  # no window's end lets it pass
     elif used >= limit:
         message = (
             f"You exceeded your {what} token quota ({name}: {limit}, used {int(used)}). It "

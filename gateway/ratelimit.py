@@ -224,9 +224,8 @@ class RateLimiter(abc.ABC):
                 f"Too many requests in flight: limit {tenant.concurrency}. "
                 "Retry when one of them has finished."
             )
-        # "Never" cannot be a header value: 60 s, the message says it will not pass as it is.
-        wait = WINDOW_S if math.isinf(retry_after_s) else retry_after_s
-        return RateLimited(limit, message, wait, headers)
+        # Infinite: it will not pass as it is (no Retry-After, not to be retried).
+        return RateLimited(limit, message, retry_after_s, headers)
 
 
 def check(

@@ -135,13 +135,19 @@ async def test_an_exhausted_day_refuses_with_insufficient_quota_until_midnight()
 
 
 async def test_the_month_refuses_with_retry_after_to_the_first_of_next_month() -> None:
-    """A monthly quota names ``tokens_per_month`` and the seconds to the next month's start."""
+    """A monthly quota names ``tokens_per_month`` and the seconds to the next month's start;
+    a request larger than the whole quota says it cannot pass as it is, with no Retry-After."""
     b, _, _, _ = budgets()
+    tenant = acme(tokens_per_month=100)
+    await b.reserve(tenant, 60)
     with pytest.raises(QuotaExceeded) as info:
-        await b.reserve(acme(tokens_per_month=100), 101)
+        await b.reserve(tenant, 50)
     assert (info.value.reason, info.value.window) == ("tokens_per_month", "month")
     assert info.value.headers["Retry-After"] == str(31 * 86_400 - 12 * 3600)
+    with pytest.raises(QuotaExceeded) as info:
+        await b.reserve(tenant, 101)
     assert "cannot pass as it is" in info.value.message
+    assert "Retry-After" not in info.value.headers
 
 
 async def test_rpm_refusal_names_requests_and_when_one_fits() -> None:
@@ -183,12 +189,13 @@ async def test_tpm_refusal_names_tokens_and_gives_the_quota_back() -> None:
 
 
 async def test_a_request_larger_than_tpm_can_never_pass() -> None:
-    """More tokens than the whole tpm: ``tokens`` with Retry-After 60 and a message saying it
-    cannot pass as it is."""
+    """More tokens than the whole tpm: ``tokens``, not to be retried (``x-should-retry: false``,
+    no Retry-After) and a message saying it cannot pass as it is."""
     b, _, _, _ = budgets()
     with pytest.raises(RateLimited) as info:
         await b.reserve(acme(tpm=1000), 1001)
-    assert (info.value.limit, info.value.headers["Retry-After"]) == ("tokens", "60")
+    assert (info.value.limit, info.value.headers["x-should-retry"]) == ("tokens", "false")
+    assert "Retry-After" not in info.value.headers
     assert "cannot pass as it is" in info.value.message
 
 

@@ -214,6 +214,31 @@ def test_c12_n_choices_reserved_and_charged(
     assert 4000 - 1600 - 60 <= remaining <= 4000 - 1600 + 200
 
 
+@pytest.mark.parametrize("limit", ["tpm", "tokens_per_day"])
+def test_a_request_that_can_never_pass_is_not_retried_by_the_sdks(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory, limit: str
+) -> None:
+    """A request larger than the whole tpm or daily quota can never pass as it is: its 429
+    carries ``x-should-retry: false`` and no Retry-After, so the official SDKs (default
+    ``max_retries``) raise it at once instead of retrying after a minute, and nothing reaches
+    the engine."""
+    sim = sim_factory()
+    gw = gateway_factory(sim, {"tenants": {"acme": {limit: 1000}}})
+    r = post(gw, chat("never-raw", max_tokens=4000))
+    assert r.status_code == 429, r.text
+    assert r.headers["x-should-retry"] == "false"
+    assert "Retry-After" not in r.headers
+    assert "cannot pass as it is" in r.json()["error"]["message"]
+    client = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, timeout=30)
+    started = time.monotonic()
+    with pytest.raises(openai.RateLimitError, match="cannot pass as it is"):
+        client.chat.completions.create(
+            model=ALIAS, messages=[{"role": "user", "content": "never-sdk"}], max_tokens=4000
+        )
+    assert time.monotonic() - started < 5  # one attempt: with retries, 2 x Retry-After
+    assert records_for(sim, "never-raw") == records_for(sim, "never-sdk") == []
+
+
 def test_c12_non_stream_never_carries_stream_options(
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:

@@ -104,10 +104,13 @@ async def test_over_daily_quota_is_429_insufficient_quota_until_midnight() -> No
 
 
 async def test_request_larger_than_the_quota_says_it_cannot_pass() -> None:
-    """A reservation larger than the whole quota is refused with a message saying so."""
+    """A reservation larger than the whole quota is refused with a message saying so, and
+    not to be retried: no Retry-After (no window's end lets it pass), ``x-should-retry: false``."""
     quota, _ = memory(Clock(utc(2026, 12, 1, 12)))
-    with pytest.raises(QuotaExceeded, match="cannot pass as it is"):
+    with pytest.raises(QuotaExceeded, match="cannot pass as it is") as info:
         await quota.reserve(ACME, 1001)
+    assert "Retry-After" not in info.value.headers
+    assert info.value.headers["x-should-retry"] == "false"
 
 
 async def test_request_across_midnight_is_charged_to_the_day_it_ends() -> None:

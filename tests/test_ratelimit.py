@@ -152,11 +152,13 @@ async def test_tpm_refuses_with_time_until_tokens_free(
 
 
 async def test_request_larger_than_tpm_is_refused_as_too_large(limiter: RateLimiter) -> None:
-    """A reservation above tpm can never pass: 429 tokens, Retry-After 60, a message saying so."""
+    """A reservation above tpm can never pass: 429 tokens, no Retry-After but
+    ``x-should-retry: false``, a message saying so."""
     who = tenant(tpm=1000)
     error = await refused(limiter, who, 1600)
     assert error.type == "tokens"
-    assert error.headers["Retry-After"] == "60"
+    assert "Retry-After" not in error.headers
+    assert error.headers["x-should-retry"] == "false"
     assert "too large" in error.message
     assert "1600" in error.message
     headers = await limiter.headers(who)
@@ -251,10 +253,11 @@ async def test_longest_wait_is_named_when_several_limits_refuse(limiter: RateLim
 
 
 async def test_limit_zero_admits_nothing(limiter: RateLimiter) -> None:
-    """rpm=0 refuses every request (Retry-After 60); concurrency=0 likewise."""
+    """rpm=0 refuses every request, not to be retried (``x-should-retry: false``, no
+    Retry-After); concurrency=0 likewise."""
     error = await refused(limiter, tenant(rpm=0), 0)
     assert error.type == "requests"
-    assert error.headers["Retry-After"] == "60"
+    assert error.headers["x-should-retry"] == "false" and "Retry-After" not in error.headers
     assert "is 0" in error.message
     error = await refused(limiter, tenant(concurrency=0), 0)
     assert error.type == "concurrency"

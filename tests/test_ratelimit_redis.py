@@ -259,12 +259,13 @@ async def test_settle_is_idempotent(replicas: Replicas) -> None:
 
 
 async def test_request_larger_than_tpm(replicas: Replicas) -> None:
-    """A reservation above tpm is refused as too large, with Retry-After 60, taking nothing."""
+    """A reservation above tpm is refused as too large, not to be retried (no Retry-After),
+    taking nothing."""
     limiter = replicas.new()
     who = tenant(tpm=1000)
     error = await refused(limiter, who, 4000)
     assert error.type == "tokens"
-    assert error.headers["Retry-After"] == "60"
+    assert "Retry-After" not in error.headers and error.headers["x-should-retry"] == "false"
     assert "too large" in error.message
     headers = await limiter.headers(who)
     assert headers["x-ratelimit-remaining-tokens"] == "1000"
