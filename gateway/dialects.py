@@ -150,17 +150,28 @@ async def exact_overflow(
 async def explain_sized_overflow(
     counter: PromptCounter, plan: RequestPlan, error: GatewayError
 ) -> GatewayError:
-    """An OpenAI-shaped route's prompt-too-long 400 when this server sized the output budget
-    (`RequestPlan.default_output`): vLLM's message would say the client "requested" the
-    budget the gateway set, so it is restated (`Overflow.openai_message`); an overflow of
-    the client's own ``max_tokens`` keeps the engine's words, which are true."""
+    """An OpenAI-shaped route's prompt-too-long 400 with true numbers. When this server sized
+    the output budget (`RequestPlan.default_output`) vLLM's message would say the client
+    "requested" that budget, so it is restated (`Overflow.openai_message`). An overflow of the
+    client's own ``max_tokens`` keeps the engine's words when they state the prompt's count;
+    where they state a lower bound ("at least N": vLLM's tokenizer stopped past the limit,
+    possibly far below the prompt's size) it is restated with the exact count
+    (`Overflow.requested_message`), and a prompt over the context alone says that fewer
+    output tokens cannot help."""
     if plan.default_output is None:
-        return error
+        overflow = overflow_of(error)
+        if overflow is None or not overflow.at_least:
+            return error
     exact = await exact_overflow(counter, plan, error)
     if exact is None:
         return error
     restated = PromptTooLong(error, exact)
-    restated.message = exact.openai_message()
+    if plan.default_output is None:
+        if exact.at_least:  # the count did not come: the engine's words stand
+            return error
+        restated.message = exact.requested_message()
+    else:
+        restated.message = exact.openai_message()
     return restated
 
 
@@ -226,4 +237,5 @@ COMPLETIONS = Dialect(
     error_body=openai_error_body,
     error_event=openai_error_event,
     keepalive=OPENAI_KEEPALIVE,
+    explain_rejection=explain_sized_overflow,
 )

@@ -906,6 +906,44 @@ def test_c31_an_overflow_of_the_servers_own_output_budget_says_so(
         assert own.status_code == 400 and "2048" in own.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_c31_an_overflow_with_the_clients_own_max_tokens_states_the_prompts_count(
+    sim_factory: Any, gateway_factory: Any, route: str
+) -> None:
+    """A prompt over the context with the client's own `max_tokens`: the engine says "at
+    least N" (its tokenizer stopped past the limit); the 400 states the prompt's exact count
+    instead and that fewer output tokens cannot help, not a total to reduce."""
+    gateway, text, counted = _overflowing(sim_factory, gateway_factory)
+    if route == "/v1/completions":
+        body: dict[str, Any] = {"model": ALIAS, "prompt": text, "max_tokens": 100}
+    else:
+        body = {"model": ALIAS, "messages": [{"role": "user", "content": text}], "max_tokens": 100}
+    r = httpx.post(gateway.url(route), json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert message.startswith("This model's maximum context length is 2048 tokens."), message
+    assert "at least" not in message, message
+    assert "which exceeds this limit even without any output tokens" in message, message
+    shown = int(message.split("prompt contains ")[1].split(" ")[0])
+    # The chat template adds a few tokens to the text's count; the bare prompt has none.
+    assert counted - 20 <= shown <= counted + 20, (message, counted)
+
+
+@pytest.mark.fast
+def test_c31_an_overflow_of_the_clients_budget_states_true_numbers() -> None:
+    """`Overflow.requested_message`: the prompt alone over the context says fewer output
+    tokens cannot help; else vLLM's sentence with the exact prompt and the true total."""
+    alone = Overflow(3000, False, 100, 2048).requested_message()
+    assert "contains 3000 input tokens, which exceeds this limit even without" in alone
+    assert "requested" not in alone
+    total = Overflow(2000, False, 100, 2048).requested_message()
+    assert total == (
+        "This model's maximum context length is 2048 tokens. However, you requested 100 output "
+        "tokens and your prompt contains 2000 input tokens, for a total of 2100 tokens. Please "
+        "reduce the length of the input prompt or the number of requested output tokens."
+    )
+
+
 @pytest.mark.fast
 def test_c31_restated_overflows_state_true_inequalities() -> None:
     """`Overflow.openai_message`: the prompt alone over the context, or the room it leaves

@@ -230,6 +230,19 @@ class Overflow:
             f"{room}."
         )
 
+    def requested_message(self) -> str:
+        """vLLM's wording (vllm/renderers/params.py) with true numbers, for a request whose
+        output budget the client set: a prompt over the context alone says so (fewer output
+        tokens cannot help), else the requested output and the prompt's count, summed."""
+        if self.prompt > self.context:
+            return self.openai_message()
+        return (
+            f"This model's maximum context length is {self.context} tokens. However, you "
+            f"requested {self.output} output tokens and your prompt contains {self.prompt} "
+            f"input tokens, for a total of {self.prompt + self.output} tokens. Please reduce "
+            "the length of the input prompt or the number of requested output tokens."
+        )
+
 
 def overflow_of(error: GatewayError) -> Overflow | None:
     """The engine's prompt-too-long 400 read into an `Overflow`, or None for any other error."""
