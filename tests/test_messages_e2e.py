@@ -148,6 +148,11 @@ def test_stream_thinking_disabled(gw: Gateway) -> None:
     assert final.content[0].text.startswith("Simulated")  # type: ignore[union-attr]
     assert last_engine_body(gw)["chat_template_kwargs"]["enable_thinking"] is False
     assert final.usage.output_tokens == 12
+    counted = client(gw).messages.count_tokens(
+        model="my-coder", messages=[{"role": "user", "content": "Hello"}]
+    )
+    # message_start carried the gateway's estimate; the final message keeps the engine's count
+    assert final.usage.input_tokens == counted.input_tokens
 
 
 @pytest.mark.parametrize(
