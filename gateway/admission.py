@@ -11,7 +11,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
-from gateway.errors import EngineUnavailable, GatewayError, RateLimited, retry_after_header
+from gateway.errors import (
+    RETRY_AFTER_DOWN_S,
+    EngineUnavailable,
+    GatewayError,
+    RateLimited,
+    retry_after_header,
+)
 from gateway.metrics import Metrics
 from gateway.placement import EngineSlots, place
 from gateway.ticket import Ticket as Ticket
@@ -336,12 +342,18 @@ class AdmissionQueue:
         return state
 
     def _expire(self, ticket: Ticket) -> RateLimited | EngineUnavailable:
-        """Remove a waiter whose ``queue_timeout_s`` passed; the error to raise for it."""
-        error = self._refusal(
-            ticket,
-            f"Waited {self.queue_timeout_s:g} s in the queue for the engine",
-            ticket.behind_own,
-        )
+        """Remove a waiter whose ``queue_timeout_s`` passed; the error to raise for it: 503
+        when no engine is in rotation (the wait was the engine's absence, whatever this
+        tenant's backlog), else `_refusal`."""
+        what = f"Waited {self.queue_timeout_s:g} s in the queue for the engine"
+        error: RateLimited | EngineUnavailable
+        if not any(slots.ready for slots in self.engines.values()):
+            error = EngineUnavailable(
+                f"{what}, which is not available (down or restarting). Retry later.",
+                RETRY_AFTER_DOWN_S,
+            )
+        else:
+            error = self._refusal(ticket, what, ticket.behind_own)
         ticket.release()
         return error
 

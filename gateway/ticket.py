@@ -103,8 +103,10 @@ class Ticket:
         Raises:
             RateLimited: ``queue``, when ``engine.queue_timeout_s`` since `AdmissionQueue.enqueue`
                 passed and this request queued behind its own tenant's earlier waiters, at least
-                two and at least the tenant's weighted share of the queue then.
-            EngineUnavailable: the same timeout otherwise (the engine is saturated overall).
+                two and at least the tenant's weighted share of the queue then, while an engine
+                is in rotation.
+            EngineUnavailable: the same timeout otherwise (the engine is saturated overall, or
+                no engine is in rotation: down or restarting).
             GatewayError: the queue was closed (`AdmissionQueue.close`) while waiting: the
                 closing error, e.g. 503 during a shutdown.
             RuntimeError: the ticket was released (before or during the wait).

@@ -140,6 +140,44 @@ def test_queued_request_gets_503_when_engine_stays_down(
     assert wait_until(lambda: gw.metric("gateway_requests_in_flight", tenant="acme") == 0, 3)
 
 
+def test_a_tenants_queued_requests_get_503_not_429_when_the_engine_stays_down(
+    sim_factory: Any, gateway_factory: Any
+) -> None:
+    """Three of one tenant's requests queued behind its running one when the engine dies and
+    stays down: each gets 503 `engine_unavailable` at the queue timeout, none the 429 `queue`
+    that blames the tenant's backlog (that 429 is for a waiting tenant while the engine
+    serves); streamed or not."""
+    sim = sim_factory()
+    gw = gateway_factory(sim, {"engine": {"max_concurrency": 1, "queue_timeout_s": 3}})
+    results: dict[str, httpx.Response] = {}
+    first = threading.Thread(
+        target=lambda: results.setdefault(
+            "first", chat(gw, {"tokens_per_second": 10, "completion_tokens": 1000})
+        )
+    )
+    first.start()
+    assert wait_until(lambda: httpx.get(gw.url("/ready")).json()["in_flight"] == 1, 5)
+    queued = [
+        threading.Thread(
+            target=lambda i=i: results.setdefault(f"q{i}", chat(gw, max_tokens=4, stream=i == 0))
+        )
+        for i in range(3)
+    ]
+    for thread in queued:
+        thread.start()
+    assert wait_until(lambda: httpx.get(gw.url("/ready")).json()["queue_depth"] == 3, 5)
+    sim.proc.send_signal(signal.SIGKILL)
+    for thread in [first, *queued]:
+        thread.join(15)
+    for name in ("q0", "q1", "q2"):
+        r = results[name]
+        assert r.status_code == 503, (name, r.status_code, r.text[:300])
+        assert r.json()["error"]["code"] == "engine_unavailable"
+        assert int(r.headers["Retry-After"]) >= 1
+    assert gw.metric("gateway_rate_limited_total", tenant="acme", limit="queue") == 0
+    assert wait_until(lambda: gw.metric("gateway_requests_in_flight", tenant="acme") == 0, 3)
+
+
 def test_engine_refusing_connections_never_leaks_slots(
     sim_factory: Any, gateway_factory: Any
 ) -> None:
