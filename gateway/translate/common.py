@@ -234,12 +234,13 @@ class Overflow:
         """vLLM's wording (vllm/renderers/params.py) with true numbers, for a request whose
         output budget the client set: a prompt over the context alone says so (fewer output
         tokens cannot help), else the requested output and the prompt's count, summed."""
-        if self.prompt > self.context:
+        output = self.output or 0
+        if self.prompt > self.context or not output:
             return self.openai_message()
         return (
             f"This model's maximum context length is {self.context} tokens. However, you "
-            f"requested {self.output} output tokens and your prompt contains {self.prompt} "
-            f"input tokens, for a total of {self.prompt + self.output} tokens. Please reduce "
+            f"requested {output} output tokens and your prompt contains {self.prompt} "
+            f"input tokens, for a total of {self.prompt + output} tokens. Please reduce "
             "the length of the input prompt or the number of requested output tokens."
         )
 
