@@ -134,6 +134,7 @@ def _demo(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         tokens_per_second=args.tokens_per_second,
         engines=args.engines,
+        faults=args.faults,
     )
 
 
@@ -174,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=range(1, 17),
         metavar="N",
         help="engine simulators behind the gateway, one slot each, as one per GPU (default 1)",
+    )
+    p.add_argument(
+        "--faults",
+        action="store_true",
+        help='let a request\'s "sim" object inject faults (crash, hang, ...; engine/sim/README.md); '
+        "off by default, so no client can stop the demo's engine",
     )
     p.set_defaults(func=_demo)
 

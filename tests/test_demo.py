@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,14 +14,16 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from gateway.demo import demo_settings
-from tests.conftest import free_port
+import gateway.demo as demo_module
+from gateway.demo import DemoEngine, Supervisor, demo_settings
+from tests.conftest import free_port, start_sim, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "qwen3.8-27b"
@@ -53,11 +56,12 @@ ADD = {
 }
 
 
-def demo_command(port: int, metrics_port: int) -> list[str]:
+def demo_command(port: int, metrics_port: int, *extra: str) -> list[str]:
     """The demo's command line on the given ports, tokens as fast as possible."""
     return [
         sys.executable, "-m", "gateway", "demo",
         "--port", str(port), "--metrics-port", str(metrics_port), "--tokens-per-second", "0",
+        *extra,
     ]  # fmt: skip
 
 
@@ -70,6 +74,7 @@ class Demo:
     key: str
     banner: str
     logs: list[str]
+    errors: list[str] = field(default_factory=list)
 
     def access_logs(self) -> list[dict[str, object]]:
         """The gateway's access lines (event ``request``) printed so far."""
@@ -77,19 +82,26 @@ class Demo:
         return [entry for entry in parsed if entry.get("event") == "request"]
 
 
-@pytest.fixture(scope="module")
-def demo() -> Iterator[Demo]:
-    """The demo started as the README says, stopped with Ctrl-C (SIGINT)."""
+@contextlib.contextmanager
+def running_demo(*extra: str) -> Iterator[Demo]:
+    """The demo started as the README says (with ``extra`` flags), stopped with Ctrl-C
+    (SIGINT); its stderr lines collected in `Demo.errors`."""
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
-        demo_command(port, metrics_port),
+        demo_command(port, metrics_port, *extra),
         cwd=REPO,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    assert proc.stdout is not None
+    assert proc.stdout is not None and proc.stderr is not None
+    errors: list[str] = []
+    stderr = proc.stderr
+    # Kept reading from the start: a full pipe would stall the demo.
+    err_reader = threading.Thread(target=lambda: errors.extend(iter(stderr.readline, "")))
+    err_reader.daemon = True
+    err_reader.start()
     key = None
     banner: list[str] = []
     deadline = time.monotonic() + 90  # a busy 2-core machine starts Python slowly
@@ -105,8 +117,10 @@ def demo() -> Iterator[Demo]:
     if key is None:
         proc.kill()
         proc.wait(5)
+        err_reader.join(5)
         proc.stdout.close()
-        pytest.fail(f"the demo printed no key: {''.join(banner)[-2000:]}")
+        stderr.close()
+        pytest.fail(f"the demo printed no key: {''.join(banner + errors)[-2000:]}")
     base = f"http://127.0.0.1:{port}/v1"
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=10)
     while True:  # the gateway listens shortly after the banner
@@ -118,18 +132,30 @@ def demo() -> Iterator[Demo]:
             time.sleep(0.1)
     logs: list[str] = []
     # The gateway logs to the demo's stdout: keep reading it, or a full pipe would stall it.
-    reader = threading.Thread(target=lambda: logs.extend(iter(proc.stdout.readline, "")))
+    stdout = proc.stdout
+    reader = threading.Thread(target=lambda: logs.extend(iter(stdout.readline, "")))
     reader.daemon = True
     reader.start()
-    yield Demo(proc, base, key, "".join(banner), logs)
-    proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    reader.join(5)
-    proc.stdout.close()
+        yield Demo(proc, base, key, "".join(banner), logs, errors)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        reader.join(5)
+        err_reader.join(5)
+        stdout.close()
+        stderr.close()
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[Demo]:
+    """The demo started as the README says, stopped with Ctrl-C (SIGINT)."""
+    with running_demo() as started:
+        yield started
 
 
 def client_for(demo: Demo) -> openai.OpenAI:
@@ -256,3 +282,157 @@ def test_demo_prints_commands_that_work_against_itself(demo: Demo) -> None:
         report = reported()
     assert report.returncode == 0 and "demo" in report.stdout, report.stderr
     assert f"ledger {ledger.group(1)}" in report.stderr
+
+
+def chat(demo: Demo, extra: dict[str, object], timeout: float = 20.0) -> httpx.Response:
+    """A short non-streamed chat completion through the demo, with ``extra`` body fields."""
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(
+        demo.base_url + "/chat/completions",
+        json={**body, **extra},
+        headers={"Authorization": f"Bearer {demo.key}"},
+        timeout=timeout,
+    )
+
+
+def serves(demo: Demo) -> bool:
+    """An ordinary request gets its answer (200)."""
+    try:
+        return chat(demo, {}, timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def simulator_pids(demo: Demo) -> list[int]:
+    """The demo's simulator processes (children running ``engine.sim``), from /proc; zombies
+    included."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == demo.proc.pid and b"engine.sim" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def is_zombie(pid: int) -> bool:
+    """``pid`` exists and has exited without being reaped."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def restart_lines(demo: Demo) -> list[str]:
+    """The demo's lines about a simulator that exited."""
+    return [line for line in list(demo.errors) if "engine simulator" in line and "exited" in line]
+
+
+def test_demo_ignores_a_requests_sim_object(demo: Demo) -> None:
+    """Without --faults a client's `sim` object changes nothing: `exit_after` and `hang` get a
+    normal answer, the same simulator keeps serving (it used to exit, and every later request
+    got 503 until the demo was restarted)."""
+    (pid,) = simulator_pids(demo)
+    for sim in ({"exit_after": 1}, {"exit_after": 0}, {"hang": True}):
+        answer = chat(demo, {"sim": sim})
+        assert answer.status_code == 200, (sim, answer.text)
+        assert answer.json()["choices"][0]["finish_reason"] in ("stop", "length"), answer.text
+    assert serves(demo)
+    assert simulator_pids(demo) == [pid] and not restart_lines(demo), demo.errors
+    assert "Fault injection: off" in demo.banner
+
+
+def test_demo_starts_a_killed_simulator_again(demo: Demo) -> None:
+    """A simulator that dies is reaped, named in one line on stderr with its exit status and
+    started again on its socket; the gateway serves again within 30 s."""
+    assert wait_until(lambda: serves(demo), 30)
+    (pid,) = simulator_pids(demo)
+    before = len(restart_lines(demo))
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: len(restart_lines(demo)) > before, 15), demo.errors
+    (line,) = restart_lines(demo)[before:]
+    assert f"(pid {pid})" in line and "killed by SIGKILL" in line and "starting it again" in line
+    assert wait_until(lambda: serves(demo), 30), demo.errors
+    (new_pid,) = simulator_pids(demo)
+    assert new_pid != pid and not is_zombie(pid)
+    assert len(restart_lines(demo)) == before + 1
+
+
+def test_demo_with_faults_lets_a_request_crash_the_engine() -> None:
+    """With --faults the `sim` object works: `exit_after` crashes the simulator (status 70),
+    the demo starts it again, and a later request is answered within 30 s."""
+    with running_demo("--faults") as demo:
+        assert "Fault injection: on" in demo.banner
+        crashed = chat(demo, {"sim": {"exit_after": 1}}, timeout=30)
+        assert crashed.status_code != 200, crashed.text
+        assert wait_until(lambda: bool(restart_lines(demo)), 15), demo.errors
+        assert "(status 70)" in restart_lines(demo)[0]
+        assert wait_until(lambda: serves(demo), 30), demo.errors
+        assert all(not is_zombie(pid) for pid in simulator_pids(demo))
+
+
+def test_sim_request_control_off_ignores_the_sim_object(workdir: Path) -> None:
+    """`python -m engine.sim --request-control off` answers a body's `sim` object as vLLM
+    answers a field it does not know: no 400 for an unknown key, no fault, no other text."""
+    sim = start_sim(workdir, "--request-control", "off")
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=sim.socket), timeout=20) as client:
+            for control in ({"no_such_key": 1}, {"text": "zzz"}, {"exit_after": 0}):
+                answer = client.post(
+                    "http://engine/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hi"}], "sim": control},
+                )
+                assert answer.status_code == 200, (control, answer.text)
+                assert answer.json()["choices"][0]["message"]["content"] != "zzz"
+        assert sim.proc.poll() is None
+    finally:
+        sim.stop()
+
+
+@pytest.mark.fast
+def test_supervisor_gives_up_on_a_simulator_that_keeps_exiting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A simulator that exits at once is started again until its RESTART_LIMIT-th exit within
+    the window: then one line says so (with its last word) and the demo is told to stop."""
+    monkeypatch.setattr(demo_module, "RESTART_LIMIT", 3)
+    monkeypatch.setattr(demo_module, "SUPERVISE_INTERVAL_S", 0.05)
+    argv = [sys.executable, "-c", "import sys; sys.exit('cannot start')"]
+    engine = DemoEngine("sim0", tmp_path / "sim0.sock", argv, tmp_path / "sim0.log")
+    supervisor = Supervisor([engine])
+    engine.start()
+    gave_up = threading.Event()
+    supervisor.watch(gave_up.set)
+    try:
+        assert gave_up.wait(30)
+    finally:
+        supervisor.stop()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all("starting it again" in line for line in lines[:2]), lines
+    assert '"sim0" exited 3 times within 30 s (last: status 1)' in lines[2]
+    assert lines[2].endswith("stopping the demo; it said: cannot start")
+    assert supervisor.gave_up and engine.proc is not None and engine.proc.returncode == 1
+
+
+@pytest.mark.fast
+def test_supervisor_stop_is_not_an_exit_to_restart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stopping the supervisor stops its simulators (SIGTERM, reaped) without starting any
+    again or reporting them."""
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    engine = DemoEngine("sim0", tmp_path / "sim0.sock", argv, tmp_path / "sim0.log")
+    supervisor = Supervisor([engine])
+    proc = engine.start()
+    supervisor.watch(lambda: None)
+    started = time.monotonic()
+    supervisor.stop()
+    assert time.monotonic() - started < 10
+    assert proc.returncode == -signal.SIGTERM and engine.proc is proc
+    assert capsys.readouterr().err == "" and not supervisor.gave_up

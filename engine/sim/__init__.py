@@ -9,7 +9,8 @@ request has tools, usage chunk only on request, vLLM's 400s for wrong field type
 `param`, `finish_reason="abort"` counted, no `ec_transfer_params`), it keeps the fork's
 behaviour. Text and token counts are deterministic (rule in `engine.sim.tokens`); pacing,
 length, text and faults are set per process by flags and per request by a `"sim"` object in the
-body (fields of `engine.sim.options.Behaviour`). The manual is engine/sim/README.md.
+body (fields of `engine.sim.options.Behaviour`; ignored under `--request-control off`). The
+manual is engine/sim/README.md.
 
 Public interface: `add_arguments(parser)`, `run(args)`, `main(argv)`, `build_app(options)`,
 `SimOptions`, `Behaviour`.

@@ -65,8 +65,11 @@ async def _request_json(request: web.Request) -> Any:
 
 
 def _behaviour(request: web.Request, body: Any) -> Behaviour:
-    defaults = request.app[OPTIONS].behaviour
-    if not isinstance(body, dict):
+    """The process-wide behaviour with the body's `"sim"` object over it; without it under
+    ``--request-control off``. Raises ApiError 400 (param `sim`) on a bad `sim` object."""
+    options = request.app[OPTIONS]
+    defaults = options.behaviour
+    if not options.request_control or not isinstance(body, dict):
         return defaults
     try:
         return defaults.with_request(body.get("sim"))

@@ -3,6 +3,8 @@
 `Behaviour` says how one request is answered (rate, length, text, faults). Each of its fields is
 both a command-line flag (`--tokens-per-second`, `--split-writes`, ...: the process default) and
 a key of the request body's `"sim"` object (`{"sim": {"split_writes": 3}}`: this request only).
+`--request-control off` makes the simulator ignore that object, as vLLM ignores a field it does
+not know.
 """
 
 from __future__ import annotations
@@ -262,7 +264,9 @@ class SimOptions:
     `served_model_names` holds at least one name; the first is echoed in responses and used as
     the `model_name` metrics label (vllm-protocol.md section 1.3). `api_keys` empty means no key
     is required. `default_chat_template_kwargs` is the fork's `{"enable_thinking": false}` unless
-    `--default-chat-template-kwargs` replaced it (section 9.2).
+    `--default-chat-template-kwargs` replaced it (section 9.2). `request_control` False: the
+    request body's `"sim"` object is ignored (no 400, no change of behaviour), as vLLM ignores
+    a field it does not know; every request then gets the process-wide `behaviour`.
     """
 
     socket: str
@@ -285,6 +289,7 @@ class SimOptions:
     health_delay_busy_s: float = 0.0
     metrics_delay_s: float = 0.0
     record: str | None = None
+    request_control: bool = True
     behaviour: Behaviour = Behaviour()
 
     @property
@@ -325,6 +330,7 @@ class SimOptions:
             health_delay_busy_s=args.health_delay_busy_s,
             metrics_delay_s=args.metrics_delay_s,
             record=args.record,
+            request_control=args.request_control == "on",
             behaviour=Behaviour(**{name: getattr(args, name) for name in _SPECS}),
         )
 
@@ -461,6 +467,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="seconds the socket is bound but refuses connections, like a model load",
+    )
+    sim.add_argument(
+        "--request-control",
+        choices=("on", "off"),
+        default="on",
+        help="on: a request body's \"sim\" object sets that request's behaviour; off: the "
+        "object is ignored, as vLLM ignores a field it does not know (for a simulator any "
+        "client can reach)",
     )
     for spec in _SPECS.values():
         flag = "--" + spec.name.replace("_", "-")
