@@ -34,6 +34,10 @@ _SUBJECT_RE = re.compile(r"[^A-Za-z0-9._@:+-]")
 # Recently removed API keys (their SHA-256 digests, never the secrets) remembered so that a
 # revoked key is counted as ``revoked`` rather than ``unknown``; the oldest are forgotten first.
 MAX_REVOKED = 4096
+# Recently removed JWT signing key ids, remembered likewise so that a token signed with a
+# removed key is counted as ``revoked`` rather than ``unknown_kid``; the oldest are forgotten
+# first. Signing keys are few and rotated rarely.
+MAX_REVOKED_KIDS = 256
 # Longer credentials are refused before hashing or base64-decoding anything: a generated key is
 # 39 characters and a gateway JWT a few hundred.
 MAX_CREDENTIAL_CHARS = 8192
@@ -80,6 +84,18 @@ def revoked_digests(previous: Authenticator | None, keys: KeySet) -> tuple[bytes
     return tuple((kept + removed)[-MAX_REVOKED:])
 
 
+def revoked_kids(previous: Authenticator | None, keys: KeySet) -> tuple[str, ...]:
+    """The ``kid`` of JWT signing keys removed so far: ``previous``'s list plus its signing keys
+    that ``keys`` no longer has, minus kids ``keys`` has again; oldest first, at most
+    `MAX_REVOKED_KIDS`."""
+    if previous is None:
+        return ()
+    current = {key.kid for key in keys.signing_keys}
+    removed = [key.kid for key in previous.keys.signing_keys if key.kid not in current]
+    kept = [kid for kid in previous.revoked_kids if kid not in current and kid not in removed]
+    return tuple((kept + removed)[-MAX_REVOKED_KIDS:])
+
+
 def bounded_subject(value: str) -> str:
     """A JWT subject safe to log: at most `MAX_SUBJECT_CHARS`, plain characters only.
 
@@ -104,6 +120,8 @@ class Authenticator:
             is refused with reason ``revoked`` instead of ``unknown``.
         fleet_revoked: keys revoked by another gateway of the fleet (`RevokedSet`), refused
             here before this gateway's own keys file changes.
+        revoked_kids: ids of JWT signing keys removed from the file (`revoked_kids`); a token
+            naming one is refused with reason ``revoked`` instead of ``unknown_kid``.
     """
 
     def __init__(
@@ -115,8 +133,11 @@ class Authenticator:
         clock: Callable[[], float] = time.time,
         revoked: tuple[bytes, ...] = (),
         fleet_revoked: RevokedSet | None = None,
+        revoked_kids: tuple[str, ...] = (),
     ) -> None:
         self.keys = keys
+        self.revoked_kids = revoked_kids
+        self._revoked_kids = frozenset(revoked_kids)
         self.fleet_revoked = fleet_revoked if fleet_revoked is not None else RevokedSet()
         self.revoked = revoked
         self._revoked = frozenset(revoked)
@@ -193,7 +214,7 @@ class Authenticator:
         kid = header.get("kid")
         key = self._by_kid.get(kid) if isinstance(kid, str) else None
         if key is None:
-            raise InvalidApiKey("unknown_kid")
+            raise InvalidApiKey("revoked" if kid in self._revoked_kids else "unknown_kid")
         # The key decides the algorithm, never the token: this is what rules out "none" and
         # HS256-signed-with-a-public-key confusion.
         if header.get("alg") != key.algorithm:

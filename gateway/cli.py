@@ -50,6 +50,10 @@ def _check(args: argparse.Namespace) -> int:
     else (no file, a listener without TLS, certificates) are printed as ``WARN`` and the exit
     status is the keys file's (case C32). With ``--config`` (or neither option) the config, its
     listener, its certificates and the keys file are all checked and each problem fails.
+
+    The keys file is judged as a reload judges it: one with no API key and no signing key fails
+    unless ``auth.allow_empty_keys`` (`gateway.keys_file.empty_keys_problem`). A ledger path this
+    user cannot create or write is only a ``WARN`` either way: ``serve`` starts with it.
     """
     from gateway.keys_file import check_keys_file
     from gateway.tls import TlsError, server_context
@@ -80,16 +84,35 @@ def _check(args: argparse.Namespace) -> int:
                     failed = failed or not keys_only
                 else:
                     print(f"OK   {name} tls: {section.tls_cert_file}")
+        if settings.ledger.enabled:
+            _check_ledger_path(settings.ledger.path)
         if not keys_only:
             failed = _check_fleet(settings) or failed
     keys_file = args.keys_file or (settings.auth.keys_file if settings is not None else None)
     assert keys_file is not None, "a config loads whenever --keys-file is not given"
-    problems = check_keys_file(keys_file)
+    allow_empty = settings.auth.allow_empty_keys if settings is not None else False
+    problems = check_keys_file(keys_file, allow_empty=allow_empty)
     for problem in problems:
         print(f"FAIL keys: {problem}")
     if not problems:
         print(f"OK   keys: {keys_file}")
     return 1 if problems or failed else 0
+
+
+def _check_ledger_path(path: str) -> None:
+    """Print OK, or WARN when this user could not create or write the ledger at ``path``
+    (`gateway.ledger.path_problem`). Only a warning: ``serve`` starts all the same and holds
+    the records in memory (logging ``ledger_write_failed``) until the file can be written."""
+    from gateway.ledger import path_problem
+
+    problem = path_problem(path)
+    if problem is None:
+        print(f"OK   ledger: {path}")
+    else:
+        print(
+            f"WARN ledger: {problem}; serve would keep usage records in memory only "
+            "(ledger_write_failed)"
+        )
 
 
 def _check_fleet(settings: Settings) -> bool:

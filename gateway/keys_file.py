@@ -76,13 +76,35 @@ def load_keys_file(path: str | os.PathLike[str], *, check_mode: bool = True) -> 
     return parse_keys(read_keys_bytes(source, check_mode=check_mode), source)
 
 
-def check_keys_file(path: str | os.PathLike[str]) -> list[str]:
-    """Every problem `load_keys_file` would raise (mode included); empty when the file is fine."""
+def empty_keys_problem(keys: KeySet, path: str, *, allow_empty: bool) -> str | None:
+    """Why ``keys`` must not be loaded for holding no key, or None when it may be.
+
+    The rule of a reload (`gateway.reload.Reloader`) and of ``check``: a key set with no API key
+    and no signing key is refused unless ``allow_empty`` (``auth.allow_empty_keys``). An empty or
+    truncated file (``cat > file`` caught midway) would otherwise lock every tenant out.
+
+    Returns:
+        ``"<path>: no API key and no signing key (an empty or truncated file?)"``, or None.
+    """
+    if keys.api_keys or keys.signing_keys or allow_empty:
+        return None
+    return f"{path}: no API key and no signing key (an empty or truncated file?)"
+
+
+def check_keys_file(path: str | os.PathLike[str], *, allow_empty: bool = False) -> list[str]:
+    """Every problem `load_keys_file` would raise (mode included), or the file's
+    `empty_keys_problem` (judged with ``allow_empty``); empty when the file is fine."""
     try:
-        load_keys_file(path)
+        keys = load_keys_file(path)
     except KeysFileError as exc:
         return exc.problems
-    return []
+    problem = empty_keys_problem(keys, os.fspath(path), allow_empty=allow_empty)
+    if problem is None:
+        return []
+    return [
+        f"{problem}; serve would refuse every request (401) with /ready at 503, and a reload to "
+        "it is refused. Set auth.allow_empty_keys = true to run with none"
+    ]
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import datetime as dt
 import operator
 import os
 import sqlite3
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -206,6 +207,45 @@ def connect(path: str | os.PathLike[str]) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
+
+
+def path_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why `connect`, run by this user, could not create or write the ledger at ``path``; None
+    when it could.
+
+    Tried for real, leaving nothing behind: a temporary file in the file's directory (removed
+    at once), or, when that directory does not exist yet, a temporary directory in its nearest
+    existing parent, where `connect` would create it (removed at once); an existing ledger is
+    opened for appending and closed, unchanged. For ``check``: ``serve`` starts all the same,
+    logs ``ledger_write_failed`` and holds the records in memory (up to ``max_pending``).
+
+    Returns:
+        ``"<path>: ..."`` naming the directory at fault and the OS error, or None.
+    """
+    target = Path(path)
+    if os.path.isdir(target):
+        return f"{target}: a directory, not a file"
+    directory = target.parent
+    nearest = directory
+    while not os.path.exists(nearest) and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not os.path.isdir(nearest):
+        return f"{target}: {nearest} is not a directory"
+    try:
+        if nearest == directory:
+            where = f"directory {directory} is not writable"
+            fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.check-")
+            os.close(fd)
+            os.unlink(temp)
+            if os.path.exists(target):
+                where = "the file cannot be written"
+                os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC))
+        else:
+            where = f"directory {directory} does not exist and cannot be created in {nearest}"
+            os.rmdir(tempfile.mkdtemp(dir=nearest, prefix=".qwen38-check-"))
+    except OSError as exc:
+        return f"{target}: {where} ({exc.strerror or type(exc).__name__})"
+    return None
 
 
 def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:

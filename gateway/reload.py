@@ -13,7 +13,7 @@ import structlog
 
 from gateway.config import ConfigError, Settings, load_settings
 from gateway.credentials import KeySet, KeysFileError
-from gateway.keys_file import load_keys_file
+from gateway.keys_file import empty_keys_problem, load_keys_file
 from gateway.metrics import Metrics
 
 # Settings read once when listeners and watchers start; a reload that changes them logs
@@ -222,7 +222,7 @@ class Reloader:
             pass  # the first reload reports it
         self._config_existed = self._seen[0] is not None
         keys = self._keys
-        if keys is not None and not keys.api_keys and not keys.signing_keys:
+        if keys is not None and empty_keys_problem(keys, self._keys_path, allow_empty=False):
             self._log.warning(
                 "keys_empty",
                 keys_file=self._keys_path,
@@ -327,10 +327,12 @@ class Reloader:
     def _refusals(self, settings: Settings, keys: KeySet) -> list[str]:
         """Why a valid new key set must still not replace the one in force (empty list: none)."""
         problems = []
-        if not keys.api_keys and not keys.signing_keys and not settings.auth.allow_empty_keys:
+        empty = empty_keys_problem(
+            keys, self._keys_path, allow_empty=settings.auth.allow_empty_keys
+        )
+        if empty is not None:
             problems.append(
-                f"{self._keys_path}: no API key and no signing key (an empty or truncated file?); "
-                "the keys in force stay. Set auth.allow_empty_keys = true to run with none"
+                f"{empty}; the keys in force stay. Set auth.allow_empty_keys = true to run with none"
             )
         if self._keys is not None:
             for name in sorted(self._keys.settings):

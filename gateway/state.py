@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.accounting import Accounting
 from gateway.admission import AdmissionQueue, Ticket
 from gateway.answers import AnswerWorker
-from gateway.auth import Authenticator, Principal, revoked_digests
+from gateway.auth import Authenticator, Principal, revoked_digests, revoked_kids
 from gateway.body_memory import BodyHold, BodyMemory
 from gateway.budgets import Budgets, Hold
 from gateway.config import UNKNOWN_TENANT, Settings, TenantSettings
@@ -72,7 +72,8 @@ def build_live(
     previous: Live | None = None,
 ) -> Live:
     """Compile settings and keys into a `Live` (authenticator tables, cache-salt secret); the
-    keys ``previous`` had and ``keys`` lacks are remembered as revoked (`revoked_digests`)."""
+    keys and signing keys ``previous`` had and ``keys`` lacks are remembered as revoked
+    (`revoked_digests`, `revoked_kids`)."""
     secret = keys.setting("QWEN38_CACHE_SALT_SECRET")
     salt = secret.encode() if secret else _PROCESS_SALT
     auth = Authenticator(
@@ -82,6 +83,7 @@ def build_live(
         clock=clock,
         revoked=revoked_digests(previous.auth if previous else None, keys),
         fleet_revoked=previous.auth.fleet_revoked if previous else None,
+        revoked_kids=revoked_kids(previous.auth if previous else None, keys),
     )
     return Live(settings=settings, keys=keys, auth=auth, salt_secret=salt)
 

@@ -19,7 +19,15 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
-from gateway.auth import MAX_SUBJECT_CHARS, Authenticator, Principal, bounded_subject, issue_token
+from gateway.auth import (
+    MAX_REVOKED_KIDS,
+    MAX_SUBJECT_CHARS,
+    Authenticator,
+    Principal,
+    bounded_subject,
+    issue_token,
+    revoked_kids,
+)
 from gateway.credentials import KeySet, b64url_encode, parse_keys
 from gateway.errors import InvalidApiKey
 from gateway.metrics import AUTH_FAILURE_REASONS
@@ -284,3 +292,23 @@ def test_bounded_subject_is_short_and_plain() -> None:
     assert bounded_subject("customer-42@example.com") == "customer-42@example.com"
     assert bounded_subject('a"b\nc d') == "a_b_c_d"
     assert len(bounded_subject("x" * 1000)) == MAX_SUBJECT_CHARS
+
+
+def test_removed_signing_key_is_revoked_and_the_list_is_bounded() -> None:
+    """A kid removed by a reload is refused as revoked, a kid never loaded as unknown_kid; a kid
+    loaded again is forgotten, and at most MAX_REVOKED_KIDS are kept, the oldest dropped."""
+    first = auth()
+    without_hs = parse_keys(f"JWT_ed=ed25519:{b64url_encode(ED_SEED)}\n".encode(), "k")
+    second = Authenticator(
+        without_hs, clock=lambda: NOW, revoked_kids=revoked_kids(first, without_hs)
+    )
+    assert second.revoked_kids == ("hs",)
+    assert reason(second, f"Bearer {hs_token(claims())}") == "revoked"
+    assert reason(second, f"Bearer {hs_token(claims(), kid='gone')}") == "unknown_kid"
+    assert second.authenticate(f"Bearer {ed_token(claims())}").key_id == "jwt:ed"
+    again = keyset()
+    assert revoked_kids(second, again) == ()
+    many = tuple(f"k{n}" for n in range(MAX_REVOKED_KIDS))
+    full = Authenticator(keyset(), revoked_kids=many)
+    kept = revoked_kids(full, without_hs)
+    assert len(kept) == MAX_REVOKED_KIDS and kept[-1] == "hs" and kept[0] == "k1"

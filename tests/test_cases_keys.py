@@ -6,6 +6,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.keys_file import check_keys_file, empty_keys_problem, load_keys_file
 from gateway.reload import BlockingCalls, FileBlocked
-from tests.conftest import KEY_A, KEY_B, Gateway, wait_until, write_keys
+from tests.conftest import KEY_A, KEY_B, REPO, Gateway, wait_until, write_keys
 from tests.test_reload import SECRET_A, Harness, key_ids, make_harness, wait_for
 
 METRICS_TOKEN = "metrics-token-0123456789abcdef"
@@ -214,5 +217,50 @@ async def test_c18_reloader_survives_a_hung_keys_read(tmp_path: Path) -> None:
         made.replace_keys(f"a=acme:{SECRET_A}\n")
         await wait_for(lambda: made.applied, timeout=3.0)
         await asyncio.sleep(0)
+    finally:
+        await made.reloader.stop()
+
+
+def run_check(*args: str) -> subprocess.CompletedProcess[str]:
+    """``qwen38-gateway check ARGS`` as a process, bounded in time."""
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "check", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_c17_check_fails_a_keys_file_a_reload_would_refuse(workdir: Path) -> None:
+    """C17: `check` judges a keys file with no API key and no signing key as a reload does: FAIL
+    (exit 1) with the reload's words, unless auth.allow_empty_keys; one signing key is enough."""
+    keys = workdir / "keys.env"
+    write_keys(keys, {})  # a comment line only
+    config = workdir / "s1.toml"
+    config.write_text(f'[server]\nhost = "127.0.0.1"\n[auth]\nkeys_file = "{keys}"\n')
+    for args in (("--config", str(config)), ("--keys-file", str(keys))):
+        done = run_check(*args)
+        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        assert f"FAIL keys: {keys}: no API key and no signing key" in done.stdout, done.stdout
+        assert "allow_empty_keys" in done.stdout and "OK   keys" not in done.stdout
+    keys.write_text("")  # `: > file`
+    assert run_check("--config", str(config)).returncode == 1
+    config.write_text(config.read_text() + "allow_empty_keys = true\n")
+    allowed = run_check("--config", str(config))
+    assert allowed.returncode == 0 and f"OK   keys: {keys}" in allowed.stdout, allowed.stdout
+    write_keys(keys, {}, extra=f"JWT_only=hs256:{'A' * 43}\n")
+    signing_only = run_check("--keys-file", str(keys))
+    assert signing_only.returncode == 0 and f"OK   keys: {keys}" in signing_only.stdout
+
+
+async def test_c17_check_and_reload_share_the_empty_keys_rule(tmp_path: Path) -> None:
+    """C17: the reload's refusal and `check`'s FAIL are one rule (`empty_keys_problem`)."""
+    made = make_harness(tmp_path, 60.0)
+    await made.reloader.start()
+    try:
+        made.keys.write_text("# no keys\n")
+        assert await made.reloader.reload() is False
+        (problem,) = check_keys_file(made.keys)
+        rule = empty_keys_problem(load_keys_file(made.keys), str(made.keys), allow_empty=False)
+        assert rule is not None and problem.startswith(rule)
+        assert check_keys_file(made.keys, allow_empty=True) == []
     finally:
         await made.reloader.stop()

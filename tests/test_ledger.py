@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.ledger import Ledger, UsageRecord, open_readonly, tokens_by_tenant, utc_day
 from gateway.metrics import Metrics
-from tests.conftest import REPO
+from tests.conftest import KEY_A, REPO, write_keys
 
 # The stated bound: a record is committed at most one flush interval (0.5 s) plus one commit
 # after it was queued; a kill loses at most the records of the last second.
@@ -271,3 +271,38 @@ def test_a_hanging_write_keeps_at_most_max_pending_and_counts_what_it_drops(
     conn.close()
     # The record in the hanging write stays; the queue kept the newest 999.
     assert ids == {"req--1"} | {f"req-{i}" for i in range(2001, 3000)}
+
+
+def test_check_warns_of_a_ledger_path_serve_could_not_write(tmp_path: Path) -> None:
+    """`check` warns (exit status unchanged) of a ledger path whose directory cannot be created
+    or is not a directory, which `serve` would accept and then keep records in memory only; a
+    path whose directory serve would create is OK, and `check` creates nothing there."""
+    keys = tmp_path / "keys.env"
+    write_keys(keys, {"KEY_A": ("acme", KEY_A)})
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = tmp_path / "s1.toml"
+
+    def check(ledger_path: str) -> subprocess.CompletedProcess[str]:
+        config.write_text(
+            f'[server]\nhost = "127.0.0.1"\n[auth]\nkeys_file = "{keys}"\n'
+            f'[ledger]\npath = "{ledger_path}"\n'
+        )
+        return subprocess.run(
+            [sys.executable, "-m", "gateway", "check", "--config", str(config)],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    for path, words in (
+        ("/proc/nope/usage.sqlite3", "directory /proc/nope does not exist and cannot be created"),
+        (f"{blocker}/usage.sqlite3", f"{blocker} is not a directory"),
+        (str(tmp_path), "a directory, not a file"),
+    ):
+        done = check(path)
+        assert done.returncode == 0, (path, done.stdout, done.stderr)
+        assert f"WARN ledger: {path}: {words}" in done.stdout, done.stdout
+        assert "in memory only" in done.stdout and "OK   keys" in done.stdout
+    fresh = tmp_path / "not-yet" / "deeper" / "usage.sqlite3"
+    done = check(str(fresh))
+    assert done.returncode == 0 and f"OK   ledger: {fresh}" in done.stdout, done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "keys.env", "s1.toml"]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from typing import Any
 
 import httpx
+import jwt
 
 from tests.conftest import ALIAS, KEY_A, KEY_B, REPO, Gateway, wait_until
 
@@ -39,3 +41,40 @@ def test_revoked_key_is_counted_as_revoked(sim_factory: Any, gateway_factory: An
     assert _failures(gw, "unknown") == 1
     assert _status(gw, KEY_A) == 200
     assert KEY_B not in gw.log_path.read_text() and KEY_B not in httpx.get(gw.metrics_url).text
+
+
+def test_removed_signing_key_is_counted_as_revoked(sim_factory: Any, gateway_factory: Any) -> None:
+    """A token whose signing key `keys revoke JWT_<kid> --wait` removed gets 401 counted as
+    revoked; a token naming a kid this gateway never loaded stays unknown_kid."""
+    gw = gateway_factory(sim_factory())
+    files = ["--keys-file", str(gw.keys_file), "--config", str(gw.config_path)]
+    issued = subprocess.run(
+        [sys.executable, "-m", "gateway", "token", "issue", "--tenant", "acme", *files, "--wait"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert issued.returncode == 0, issued.stderr
+    token = issued.stdout.strip().splitlines()[-1]
+    assert _status(gw, token) == 200
+    (name,) = [
+        line.partition("=")[0]
+        for line in gw.keys_file.read_text().splitlines()
+        if line.startswith("JWT_")
+    ]
+    revoke = subprocess.run(
+        [sys.executable, "-m", "gateway", "keys", "revoke", name, *files, "--wait"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert revoke.returncode == 0, revoke.stderr
+    assert _status(gw, token) == 401
+    assert _failures(gw, "revoked") == 1 and _failures(gw, "unknown_kid") == 0
+    now = int(time.time())
+    stranger = jwt.encode(
+        {"sub": "acme", "iat": now, "exp": now + 300},
+        b"a-key-this-gateway-never-loaded-0123456789",
+        algorithm="HS256",
+        headers={"kid": "neverloaded"},
+    )
+    assert _status(gw, stranger) == 401
+    assert _failures(gw, "unknown_kid") == 1 and _failures(gw, "revoked") == 1
+    assert _status(gw, KEY_A) == 200
+    assert token not in gw.log_path.read_text()
