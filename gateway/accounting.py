@@ -91,7 +91,7 @@ class Accounting:
 
     async def start(self) -> None:
         """Start the ledger writer (and its shipper to PostgreSQL); with in-process quotas,
-        restore this day and month from it.
+        restore this day and month from it (Redis quotas read it when Redis is unreachable).
 
         Raises:
             ConfigError: ``ledger.postgres_dsn`` is set and PostgreSQL cannot be used.
@@ -104,26 +104,33 @@ class Accounting:
                 except BaseException:
                     await asyncio.to_thread(self.ledger.close)
                     raise
-            if isinstance(self.quota, MemoryQuota):
-                await self._restore(self.ledger, self.quota)
+            await self.quota.restore_from(self._ledger_totals)
         await self.quota.start()
 
-    async def _restore(self, ledger: Ledger, quota: MemoryQuota) -> None:
+    async def _ledger_totals(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        """Tokens per tenant in the ledger this UTC day and this month, ``(day, month)``,
+        records still queued included; None without a ledger or when it cannot be read (logged
+        as ``quota_restore_failed``). In-memory quotas read them at start; Redis quotas when
+        Redis becomes unreachable (`gateway.quota_redis.RedisQuota`)."""
+        ledger = self.ledger
+        if ledger is None:
+            return None
         day, month = windows_at(self._clock())
         try:
             month_totals = await asyncio.to_thread(ledger.totals_since, month.start)
             day_totals = await asyncio.to_thread(ledger.totals_since, day.start)
         except Exception as exc:  # an unreadable ledger must not stop the gateway
             log.error("quota_restore_failed", path=str(ledger.path), error=str(exc))
-            return
-        quota.restore(day_totals, month_totals)
+            return None
         log.info(
             "quota_restored",
             path=str(ledger.path),
+            backend=self.quota.backend,
             tenants=len(month_totals),
             day_tokens=sum(day_totals.values()),
             month_tokens=sum(month_totals.values()),
         )
+        return day_totals, month_totals
 
     async def close(self) -> None:
         """Stop the quota backend, then commit what the ledger still holds and stop it."""

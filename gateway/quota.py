@@ -22,7 +22,7 @@ import datetime as dt
 import math
 import operator
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.config import Settings, TenantSettings
@@ -33,6 +33,10 @@ WINDOWS = QUOTA_WINDOWS
 """Quota windows: the UTC calendar day and the UTC calendar month."""
 LIMIT_NAMES = {"day": "tokens_per_day", "month": "tokens_per_month"}
 _UTC = dt.timezone.utc
+
+Totals = Callable[[], Awaitable[tuple[Mapping[str, int], Mapping[str, int]] | None]]
+"""Reads the tokens used per tenant this UTC day and this month, ``(day, month)``; None when
+they cannot be read. `gateway.accounting.Accounting` reads them from the usage ledger."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +250,9 @@ class Quota(abc.ABC):
     def gauge_values(self) -> list[tuple[str, str, int]]:
         """``(tenant label, window, used)`` for the gauges, from what this replica knows."""
 
+    async def restore_from(self, totals: Totals) -> None:  # noqa: B027 - optional hook
+        """Take the reader of the tokens already used (the usage ledger's), at app startup."""
+
     async def start(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
         """Connect and start background work at app startup."""
 
@@ -301,6 +308,12 @@ class MemoryQuota(Quota):
             for name, tokens in totals.items():
                 counts = self._counts(name, wins)
                 counts.used[window] += max(0, int(tokens))
+
+    async def restore_from(self, totals: Totals) -> None:
+        """`restore` what ``totals`` reads now; nothing when it reads None."""
+        read = await totals()
+        if read is not None:
+            self.restore(*read)
 
     async def reserve(self, tenant: TenantSettings, tokens: int) -> QuotaReservation:
         """See `Quota.reserve`."""

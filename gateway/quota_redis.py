@@ -1,6 +1,8 @@
 """Daily and monthly token quotas in Redis, shared by every gateway replica.
 
-Used when ``[ratelimit] backend = "redis"``, on the same Redis as the per-minute limits.
+Used when ``[ratelimit] backend = "redis"``, on the same Redis as the per-minute limits. While
+Redis is unreachable each replica counts locally, starting from what it knows of the tenant's
+day and month (see `RedisQuota`).
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ from gateway.quota import (
     MemoryQuota,
     Quota,
     QuotaReservation,
+    Totals,
     Window,
     WindowUse,
     has_quota,
@@ -91,6 +94,11 @@ return out
 """
 
 
+def _add(counts: dict[str, int], more: Mapping[str, int]) -> None:
+    for name, tokens in more.items():
+        counts[name] = counts.get(name, 0) + max(0, int(tokens))
+
+
 def _ttls(wins: tuple[Window, Window], now: float) -> tuple[int, int]:
     """Seconds each window's counter lives: to the window's end (this host's clock) + grace."""
     day, month = (math.ceil(w.end - now) + EXPIRY_GRACE_S for w in wins)
@@ -112,9 +120,16 @@ class RedisQuota(Quota):
 
     Each call is one atomic Lua script; counters expire `EXPIRY_GRACE_S` after their window.
     Only tenants with a quota cost a Redis call. Window boundaries come from this host's clock
-    (keep replicas on NTP). While Redis is unreachable, quotas are counted locally from zero
-    (each replica enforces the whole quota on its own traffic) and settlements wait for Redis;
-    the outage is logged once as ``quota_backend_down``.
+    (keep replicas on NTP).
+
+    While Redis is unreachable (logged once per outage as ``quota_backend_down``), quotas are
+    counted locally. The first call of an outage seeds the local counts of each tenant and
+    window with the larger of the last count read from Redis and this replica's usage ledger
+    (the reader given to `restore_from`) plus the reservations of its requests still running;
+    its own charges are added from then on. A request admitted through Redis that ends during
+    the outage is settled in the local counts and its settlement waits for Redis. When Redis
+    answers again the shared counters are used as they are: they get the waiting settlements
+    but not the tokens charged locally during the outage (those are in the ledger).
     """
 
     backend = "redis"
@@ -134,6 +149,11 @@ class RedisQuota(Quota):
         self._reserve = self._client.register_script(_RESERVE)
         self._settle = self._client.register_script(_SETTLE)
         self._local = MemoryQuota(settings, metrics, clock=clock)
+        self._totals: Totals | None = None
+        self._open: dict[int, QuotaReservation] = {}  # id -> reservations not settled yet
+        self._outages = 0  # outages begun so far
+        self._seeded = 0  # the outage the local counts were seeded for
+        self._seeding = asyncio.Lock()
         self._up = True
         self._pending: list[_Settlement] = []
         self._seen: dict[str, dict[str, tuple[str, int]]] = {}  # tenant -> window -> (key, used)
@@ -150,6 +170,10 @@ class RedisQuota(Quota):
 
     def _note(self, tenant: str, wins: tuple[Window, Window], day: Any, month: Any) -> None:
         self._seen[tenant] = {"day": (wins[0].key, int(day)), "month": (wins[1].key, int(month))}
+
+    async def restore_from(self, totals: Totals) -> None:
+        """Keep ``totals`` (the usage ledger's reader) to seed the local counts of an outage."""
+        self._totals = totals
 
     async def start(self) -> None:
         """Start the maintenance task (gauge refresh, reconnects, pending settlements)."""
@@ -182,16 +206,24 @@ class RedisQuota(Quota):
                     win = wins[WINDOWS.index(window)]
                     used = day if window == "day" else month
                     raise self.count_refusal(tenant, refusal(tenant, win, used, tokens, now))
-                return QuotaReservation(
-                    tenant.name, tokens, (wins[0].key, wins[1].key), backend="redis"
+                return self._opened(
+                    QuotaReservation(
+                        tenant.name, tokens, (wins[0].key, wins[1].key), backend="redis"
+                    )
                 )
-        return self._local.reserve_now(tenant, tokens)
+        local = await self._fallback()
+        return self._opened(local.reserve_now(tenant, tokens))
+
+    def _opened(self, reservation: QuotaReservation) -> QuotaReservation:
+        self._open[id(reservation)] = reservation
+        return reservation
 
     async def settle(self, reservation: QuotaReservation, actual_tokens: int) -> None:
         """See `Quota.settle`. Runs to completion even if the caller is cancelled."""
         if reservation.settled:
             return
         if reservation.backend != "redis":
+            self._open.pop(id(reservation), None)
             self._local.settle_now(reservation, actual_tokens)
             return
         reservation.settled = True
@@ -214,20 +246,84 @@ class RedisQuota(Quota):
             ),
             (wins[0].key, wins[1].key),
         )
-        await asyncio.shield(self._settle_remote(job))
+        await asyncio.shield(self._settle_redis(reservation, job))
 
-    async def _settle_remote(self, job: _Settlement) -> None:
-        """Run the settle script; never raises. If Redis fails, keep the job for a retry."""
+    async def _settle_redis(self, reservation: QuotaReservation, job: _Settlement) -> None:
+        """Settle a reservation taken in Redis; during an outage in the local counts too (seeded
+        while it was still open, so they hold its reservation). Never raises."""
+        try:
+            if await self._settle_remote(job):
+                return
+            local = await self._fallback()
+            local.settle_now(
+                QuotaReservation(reservation.tenant, reservation.tokens, reservation.keys),
+                job.args[0],
+            )
+        finally:
+            self._open.pop(id(reservation), None)
+
+    async def _settle_remote(self, job: _Settlement) -> bool:
+        """Run the settle script; never raises. If Redis fails, keep the job for a retry.
+
+        Returns:
+            False when Redis was unreachable (the job waits), True otherwise.
+        """
         try:
             day, month = await self._settle(keys=job.keys, args=job.args)
         except _BACKEND_ERRORS as exc:
             self._mark_down(exc)
             self._pending.append(job)
-            return
+            return False
         except Exception:
             log.exception("quota_settle_failed", backend="redis", tenant=job.tenant)
-            return
+            return True
         self._seen[job.tenant] = {"day": (job.windows[0], day), "month": (job.windows[1], month)}
+        return True
+
+    async def _fallback(self) -> MemoryQuota:
+        """The local counts, seeded for the current outage (see `RedisQuota`); never raises
+        but `asyncio.CancelledError`."""
+        if self._seeded != self._outages:
+            async with self._seeding:
+                if self._seeded != self._outages:
+                    outage = self._outages
+                    self._local = await self._seed()
+                    self._seeded = outage
+        return self._local
+
+    async def _seed(self) -> MemoryQuota:
+        """New local counts: per tenant and window, the larger of the last count read from
+        Redis and the ledger's total plus the reservations still open."""
+        wins = windows_at(self._clock())
+        day: dict[str, int] = {}
+        month: dict[str, int] = {}
+        for res in list(self._open.values()):  # before the read: counted once at least
+            for counts, window, key in zip((day, month), wins, res.keys, strict=True):
+                if key == window.key:
+                    counts[res.tenant] = counts.get(res.tenant, 0) + res.tokens
+        read = None
+        try:
+            read = await self._totals() if self._totals is not None else None
+        except Exception:  # the reader logs an unreadable ledger; anything else counts too
+            log.exception("quota_restore_failed", backend="redis")
+        if read is not None:
+            for counts, totals in zip((day, month), read, strict=True):
+                _add(counts, totals)
+        for name, seen in self._seen.items():
+            for counts, window in zip((day, month), wins, strict=True):
+                key, used = seen.get(window.name, ("", 0))
+                if key == window.key:
+                    counts[name] = max(counts.get(name, 0), int(used))
+        local = MemoryQuota(self._settings, self._metrics, clock=self._clock)
+        local.restore(day, month)
+        log.info(
+            "quota_local_counts",
+            backend="redis",
+            tenants=len(month),
+            day_tokens=sum(day.values()),
+            month_tokens=sum(month.values()),
+        )
+        return local
 
     async def usage(self, tenant: TenantSettings) -> tuple[WindowUse, WindowUse]:
         """See `Quota.usage`; local counts while Redis is unreachable."""
@@ -246,10 +342,14 @@ class RedisQuota(Quota):
                     for w, u in zip(wins, used, strict=True)
                 )
                 return day, month
-        return self._local.usage_now(tenant)
+        local = await self._fallback()
+        return local.usage_now(tenant)
 
     def gauge_values(self) -> list[tuple[str, str, int]]:
-        """See `Quota.gauge_values`: the shared counts as of this replica's last call."""
+        """See `Quota.gauge_values`: the shared counts as of this replica's last call; the
+        local counts while Redis is unreachable."""
+        if not self._up and self._seeded == self._outages:
+            return self._local.gauge_values()
         wins = windows_at(self._clock())
         best: dict[tuple[str, str], int] = {}
         for name, seen in self._seen.items():
@@ -301,6 +401,7 @@ class RedisQuota(Quota):
         if not self._up:
             return
         self._up = False
+        self._outages += 1
         log.warning(
             "quota_backend_down",
             backend="redis",

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
 from gateway.config import RatelimitSettings, Settings, TenantSettings, parse_settings
 from gateway.metrics import Metrics
@@ -220,3 +223,105 @@ async def test_redis_down_falls_back_to_local_counts(
     with pytest.raises(QuotaExceeded):
         await one.reserve(ACME, 200)
     await one.settle(res, 10)
+
+
+class LedgerTotals:
+    """A usage ledger's reader as `gateway.accounting.Accounting` gives it: ``(day, month)``."""
+
+    def __init__(self, day: int = 0, month: int = 0) -> None:
+        self.day = day
+        self.month = month
+        self.reads = 0
+
+    async def __call__(self) -> tuple[dict[str, int], dict[str, int]]:
+        self.reads += 1
+        return {"acme": self.day}, {"acme": self.month}
+
+
+async def redis_quota(url: str, totals: LedgerTotals) -> RedisQuota:
+    clock = Clock(utc(2026, 12, 1, 12))
+    quota = RedisQuota(redis_settings(url), Metrics(CollectorRegistry()), clock=clock)
+    await quota.restore_from(totals)
+    await quota.start()
+    return quota
+
+
+async def test_redis_outage_counts_on_from_the_last_redis_count_or_the_ledger(
+    redis_server: RedisServer,
+) -> None:
+    """Redis gone: local counts start from the larger of the last Redis count and the ledger,
+    so the tenant gets what was left of its day, not a new one."""
+    ledger = LedgerTotals(day=200, month=200)
+    one = await redis_quota(redis_server.url, ledger)
+    fresh = await redis_quota(redis_server.url, LedgerTotals(day=900, month=900))
+    try:
+        await one.settle(await one.reserve(ACME, 600), 550)
+        assert ledger.reads == 0  # Redis up: the ledger is not read
+        redis_server.stop()
+        with capture_logs() as logs:
+            day, month = await one.usage(ACME)
+            assert (day.used, day.remaining, month.used) == (550, 450, 550)
+            with pytest.raises(QuotaExceeded, match="450 remain"):
+                await one.reserve(ACME, 451)
+            res = await one.reserve(ACME, 450)
+            assert res.backend == "memory"
+            with pytest.raises(QuotaExceeded, match="exceeded your daily"):
+                await one.reserve(ACME, 1)
+            await one.settle(res, 400)
+            day, _ = await one.usage(ACME)
+            assert (day.used, day.remaining) == (950, 50)
+        assert [e["event"] for e in logs] == ["quota_backend_down", "quota_local_counts"]
+        assert ledger.reads == 1  # once per outage
+        assert ("acme", "day", 950) in one.gauge_values()
+        # A replica that never read Redis starts from its ledger.
+        with pytest.raises(QuotaExceeded, match="100 remain"):
+            await fresh.reserve(ACME, 101)
+        day, _ = await fresh.usage(ACME)
+        assert day.used == 900
+    finally:
+        await one.close()
+        await fresh.close()
+
+
+async def test_request_running_across_a_redis_outage_is_counted_once(
+    redis_server: RedisServer,
+) -> None:
+    """A request admitted through Redis and ended during the outage is charged once locally and
+    once in Redis when it returns; what was charged locally is not added to Redis; a second
+    outage starts again from Redis's count and the ledger, not from the first outage's."""
+    ledger = LedgerTotals()
+    quota = await redis_quota(redis_server.url, ledger)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        running = await quota.reserve(ACME, 300)
+        # A restarted Redis with persistence comes back with what it held.
+        await client.save()
+        await client.aclose()
+        redis_server.stop()
+        day, _ = await quota.usage(ACME)
+        assert day.used == 300  # the reservation still running
+        await quota.settle(running, 120)
+        ledger.day = ledger.month = 120  # its ledger record
+        day, _ = await quota.usage(ACME)
+        assert day.used == 120
+        local = await quota.reserve(ACME, 880)
+        with pytest.raises(QuotaExceeded):
+            await quota.reserve(ACME, 1)
+        redis_server.start()
+        client = aioredis.Redis.from_url(redis_server.url)
+        deadline = time.monotonic() + 5
+        while (quota._pending or not quota._up) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not quota._pending
+        await quota.settle(local, 500)  # charged locally, the outage's: Redis is not told
+        ledger.day = ledger.month = 620
+        assert await client.get("tq:q:{acme}:day:2026-12-01") == b"120"
+        day, _ = await quota.usage(ACME)
+        assert day.used == 120
+        redis_server.stop()
+        day, _ = await quota.usage(ACME)
+        assert day.used == 620  # the ledger's, not 120 + 880 left from the first outage
+        assert ledger.reads == 2
+    finally:
+        await quota.close()
+        await client.aclose()

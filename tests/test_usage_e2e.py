@@ -285,6 +285,62 @@ def test_daily_quota_refuses_until_the_next_utc_day_on_every_replica(
     assert doc["quota"]["tokens_per_day"]["resets_at"].endswith("T00:00:00Z")
 
 
+def test_redis_outage_keeps_the_daily_quota(
+    sim_factory: SimFactory,
+    gateway_factory: GatewayFactory,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Redis killed with part of the day used: the gateway counts on from what it knows (the
+    last Redis count, its ledger), so the day's charge stays within the quota plus one
+    request; refusals are 429 insufficient_quota and /v1/usage agrees with the ledger."""
+    sim = sim_factory()
+    quota = 2000
+    config = {
+        "ratelimit": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": "out"},
+        "tenants": {"acme": {"tokens_per_day": quota}},
+    }
+    gw = gateway_factory(sim, config)
+    today = dt.datetime.now(dt.timezone.utc).date().isoformat()
+
+    def usage() -> dict[str, Any]:
+        r = httpx.get(gw.url(f"/v1/usage?since={today}"), headers=AUTH_A, timeout=10)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def body(i: int) -> dict[str, Any]:
+        return chat(f"outage-{i}", {"completion_tokens": 150}, max_tokens=150)
+
+    sent = 0
+    while usage()["quota"]["tokens_per_day"]["used"] < 1300:
+        assert post(gw, body(sent)).status_code == 200
+        sent += 1
+        assert sent < 12
+    redis_server.stop()
+    statuses = []
+    for _ in range(15):  # twice what is left of the quota: the old fallback passed them all
+        r = post(gw, body(sent))
+        sent += 1
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            error = r.json()["error"]
+            assert error["type"] == error["code"] == "insufficient_quota", error
+    assert gw.metric("gateway_ratelimit_backend_up", backend="redis") == 0
+    assert 200 in statuses and 429 in statuses, statuses
+    assert statuses.index(429) == statuses.count(200), statuses  # refused from then on
+    assert wait_until(lambda: settled(gw), 10)
+    path = ledger_path(gw)
+    assert wait_until(lambda: len(ledger_rows(path)) == sent, 5)
+    rows = ledger_rows(path)
+    charged = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
+    largest = max(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
+    assert quota - largest < charged <= quota + largest, (charged, largest)
+    doc = usage()
+    day = doc["quota"]["tokens_per_day"]
+    assert day["used"] == doc["total"]["total_tokens"] == charged, doc
+    assert day["remaining"] == max(0, quota - charged)
+    assert any(e.get("event") == "quota_local_counts" for e in gw.logs())
+
+
 def test_non_streamed_request_left_by_its_client_is_charged_its_prompt(
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:
