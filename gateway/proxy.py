@@ -88,7 +88,7 @@ from gateway.state import (
     ModelCall,
     RequestContext,
 )
-from gateway.waiting import Heartbeat, wait_for_slot
+from gateway.waiting import Heartbeat, beating, wait_for_slot
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -334,11 +334,11 @@ async def admit_and_call(request: web.Request, call: ModelCall) -> web.StreamRes
         state = app[ENGINE_STATE]
         if not state.ready:
             remaining = max(0.0, engine.queue_timeout_s - ticket.waited_s)
-            if not await state.wait_ready(remaining):
+            if not await beating(state.wait_ready(remaining), heartbeat):
                 raise state.unavailable()
         if app[ENGINES].elsewhere(ticket.engine):
             # Granted while no engine was ready, or its engine stalled since: another one is in.
-            await _move(app, call, ticket.engine)
+            await beating(_move(app, call, ticket.engine), heartbeat)
     except GatewayError as exc:
         if stream is None or stream.response is None:
             raise
@@ -499,7 +499,7 @@ async def _call_engine(
             if name is not None:
                 app[METRICS].engine_requests.labels(name).inc()
                 fleet.affinity.served(call.session, name)
-            answer = await fleet.post(
+            post = fleet.post(
                 name,
                 call.dialect.engine_path,
                 call.plan.body,
@@ -507,6 +507,8 @@ async def _call_engine(
                 stream=call.plan.stream,
                 sent=sent,
             )
+            # A stream waiting for the engine's headers shows life (`gateway.waiting.beating`).
+            answer = await (post if heartbeat is None else beating(post, heartbeat))
             break
         except asyncio.CancelledError:
             # Cut (the client gone, a time limit, a drain) while the engine worked on the
@@ -537,13 +539,13 @@ async def _call_engine(
                     if several:
                         # Retried once, on another engine (the quarantine counts deaths on each).
                         try:
-                            if await _move(app, call, name):
+                            if await beating(_move(app, call, name), heartbeat):
                                 app[METRICS].engine_retries.inc()
                                 log.warning("engine_retry", fingerprint=str(fingerprint))
                                 continue
                         except GatewayError as refused:
                             error = refused
-                    elif await state.wait_ready(wait):
+                    elif await beating(state.wait_ready(wait), heartbeat):
                         app[METRICS].engine_retries.inc()
                         log.warning("engine_retry", fingerprint=str(fingerprint))
                         continue
@@ -555,13 +557,13 @@ async def _call_engine(
             elif several:
                 # Never sent: it goes to another engine, ahead of its tenant's later requests.
                 try:
-                    if await _move(app, call, name):
+                    if await beating(_move(app, call, name), heartbeat):
                         continue
                 except GatewayError as refused:
                     error = refused
             else:
                 remaining = deadline - clock()
-                if remaining > 0 and await state.wait_ready(remaining):
+                if remaining > 0 and await beating(state.wait_ready(remaining), heartbeat):
                     continue
             if stream is None or stream.response is None:
                 raise error from None

@@ -25,8 +25,9 @@ socket buffers, after which the write waits ``server.client_write_timeout_s`` an
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from gateway.admission import Ticket
 from gateway.framing import comment
@@ -34,7 +35,11 @@ from gateway.relay import ClientStream
 from gateway.state import ModelCall
 from gateway.translate.common import BACKGROUND_TIERS
 
+T = TypeVar("T")
+
 QUEUED_COMMENT = comment("queued")
+ENGINE_KEEPALIVE = comment("keep-alive")
+"""What a stream waiting at the engine sends when its dialect has no keep-alive of its own."""
 PRIORITY_HEADER = "X-Request-Priority"
 DEFAULT_KEEPALIVE_S = 5.0
 """The beat used while queued when ``server.sse_keepalive_s`` is 0 (a queued stream must show
@@ -119,6 +124,16 @@ class Heartbeat:
         await self._stream.send(keepalive)
         self._sent_at = self._clock()
 
+    @property
+    def opened(self) -> bool:
+        """The stream's headers are made (opened by the queue, a beat or the relay)."""
+        return self._stream.response is not None
+
+    def engine_keepalive(self) -> bytes:
+        """What a stream waiting at the engine sends between progress events: its dialect's
+        keep-alive (Anthropic's ``ping``, an SSE comment otherwise)."""
+        return self._call.dialect.keepalive or ENGINE_KEEPALIVE
+
     def queued_keepalive(self) -> bytes:
         """What a queued stream sends between progress events: its dialect's keep-alive when
         that is an event (Anthropic's ``ping``), else the ``: queued`` comment."""
@@ -145,6 +160,93 @@ async def wait_for_slot(ticket: Ticket, heartbeat: Heartbeat, after: float) -> N
         await heartbeat.beat(keepalive)
         if await ticket.wait(every):
             return
+
+
+async def beating(waited: Awaitable[T], heartbeat: Heartbeat | None) -> T:
+    """``waited`` awaited; meanwhile a stream (``heartbeat``) that gets no bytes for
+    ``server.sse_keepalive_s`` opens (its headers and the dialect's opening events, as in the
+    queue) and then beats every ``server.sse_keepalive_s`` until ``waited`` is done.
+
+    For the waits between the queue and the engine's first byte that can last: the engine's
+    headers (an engine that takes long to tokenize, hangs, or dies with the request before its
+    first byte), and the engine's return after a crash before a retry (minutes for a V100's
+    restart). Without it a stream granted its slot would get no byte from its queue's beats on
+    until the engine answered or the wait ended in a plain JSON error, and agent clients give
+    up after 300 s without an event (the module doc). A wait that ends within the beat costs one
+    timer: the beats run in a task made only when the first one is due, and a beat under way
+    when ``waited`` ends is finished, not cut, before this returns. None (not a stream), or
+    keep-alives off (``sse_keepalive_s`` 0): ``waited`` alone.
+
+    Raises:
+        what ``waited`` raises; asyncio.CancelledError when the client went away during a beat
+        (the wait is cancelled, as aiohttp cancels a handler whose client left).
+    """
+    if heartbeat is None or heartbeat.every <= 0:
+        return await waited
+    beats = _Beats(heartbeat)
+    try:
+        return await waited
+    finally:
+        await beats.stop()
+
+
+class _Beats:
+    """The beats of one `beating` wait: a timer until the first is due, then a task."""
+
+    __slots__ = ("_done", "_handle", "_heartbeat", "_main", "_task", "_writing")
+
+    def __init__(self, heartbeat: Heartbeat) -> None:
+        self._heartbeat = heartbeat
+        self._main = asyncio.current_task()
+        self._task: asyncio.Task[None] | None = None
+        self._writing = False
+        self._done = False
+        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            heartbeat.due_in(), self._fire
+        )
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self._done:
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        heartbeat = self._heartbeat
+        keepalive = heartbeat.engine_keepalive()
+        while not self._done:
+            self._writing = True
+            try:
+                if heartbeat.opened:
+                    await heartbeat.beat(keepalive)
+                else:
+                    await heartbeat.open()
+            except ConnectionResetError:
+                if self._main is not None and not self._done:
+                    self._main.cancel()  # the client left: the wait ends as at a disconnect
+                return
+            finally:
+                self._writing = False
+            if self._done:
+                return
+            await asyncio.sleep(max(heartbeat.due_in(), 0.001))
+
+    async def stop(self) -> None:
+        """No more beats; one under way is finished first (a write cut midway would leave the
+        stream's bytes or its headers half sent)."""
+        self._done = True
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        task = self._task
+        if task is None or task.done():
+            return
+        if not self._writing:
+            task.cancel()  # asleep between two beats
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise  # this wait itself was cancelled meanwhile
 
 
 def background_request(headers: Mapping[str, str], body: Any) -> bool:

@@ -312,3 +312,174 @@ def test_an_interactive_answer_goes_before_its_tenants_background_tasks(gw: Gate
         "task-tags",
     ]
     assert sorted(done) == ["task-tags", "task-title", "the-answer"]
+
+
+def _timed_stream(
+    gw: Gateway, path: str, body: dict[str, Any], key: str = KEY_A
+) -> tuple[int, bytes, list[float]]:
+    """POST a stream; its status, raw bytes, and the arrival time of each piece from the send."""
+    started = time.monotonic()
+    headers = {"Authorization": f"Bearer {key}", "anthropic-version": "2023-06-01"}
+    times: list[float] = []
+    raw = b""
+    with httpx.stream("POST", gw.url(path), json=body, headers=headers, timeout=60) as response:
+        for piece in response.iter_raw():
+            times.append(time.monotonic() - started)
+            raw += piece
+        return response.status_code, raw, times
+
+
+HEAD_WAIT = {"server": {"sse_keepalive_s": 0.5, "sse_progress_event_s": 0}}
+
+
+def test_a_stream_waiting_for_the_engines_headers_shows_life(
+    sim_factory: Callable[..., Any], gateway_factory: Callable[..., Gateway]
+) -> None:
+    """The engine takes 3 s to send its headers (a long tokenization, a busy engine): the
+    stream opens and beats every `sse_keepalive_s` meanwhile, then the whole answer; no
+    silence longer than twice the beat. (The translated routes send no `sim` object to the
+    engine: their beats are tested across an engine restart below.)"""
+    gw = gateway_factory(sim_factory("--completion-tokens", "4"), HEAD_WAIT)
+    body = {
+        "model": "qwen3.8-27b",
+        "stream": True,
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "head-wait"}],
+        "sim": {"headers_delay_s": 3},
+    }
+    status, raw, times = _timed_stream(gw, "/v1/chat/completions", body)
+    assert status == 200
+    assert times[0] < 1.5, times[:3]  # before the engine's headers (3 s)
+    gaps = [b - a for a, b in itertools.pairwise([0.0, *times])]
+    assert max(gaps) < 1.2, gaps
+    text = raw.decode()
+    assert ": keep-alive" in text and text.rstrip().endswith("data: [DONE]")
+
+
+def test_a_stream_whose_engine_never_sends_headers_ends_with_an_error_event(
+    sim_factory: Callable[..., Any], gateway_factory: Callable[..., Gateway]
+) -> None:
+    """An engine that hangs before its headers: the stream beats until `read_timeout_s`, then
+    ends with one SSE error event (504 `upstream_timeout`), not a plain JSON 504 after a silent
+    wait; the openai SDK reads it as an APIError."""
+    config = {**HEAD_WAIT, "engine": {"read_timeout_s": 3}}
+    gw = gateway_factory(sim_factory(), config)
+    body = {
+        "model": "qwen3.8-27b",
+        "stream": True,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "head-hang"}],
+        "sim": {"hang": True},
+    }
+    status, raw, times = _timed_stream(gw, "/v1/chat/completions", body)
+    assert status == 200 and times[0] < 1.5
+    text = raw.decode()
+    assert ": keep-alive" in text
+    last = json.loads(text.strip().split("\n\n")[-1][6:])
+    assert last["error"]["code"] == "upstream_timeout", last
+    client = openai.OpenAI(base_url=gw.url("/v1"), api_key=KEY_A, max_retries=0)
+    with pytest.raises(openai.APIError):
+        for _ in client.chat.completions.create(
+            model="qwen3.8-27b",
+            messages=[{"role": "user", "content": "head-hang"}],
+            max_tokens=8,
+            stream=True,
+            extra_body={"sim": {"hang": True}},
+        ):
+            pass
+    assert wait_until(lambda: gw.metric("gateway_requests_in_flight", tenant="acme") == 0, 5)
+
+
+def _check_dialect_stream(path: str, text: str) -> None:
+    """The beats and the whole answer, in the dialect of ``path``."""
+    if path == "/v1/chat/completions":
+        assert ": keep-alive" in text and text.rstrip().endswith("data: [DONE]")
+    elif path == "/v1/messages":
+        assert text.startswith("event: message_start") and "event: ping" in text
+        assert text.count("event: message_start") == 1 and "event: message_stop" in text
+        for block in text.strip().split("\n\n"):
+            data = [line[6:] for line in block.split("\n") if line.startswith("data: ")]
+            if not block.startswith("event: ping"):
+                ANTHROPIC_EVENT.validate_python(json.loads(data[0]))
+    else:
+        assert text.count("event: response.created") == 1 and "response.completed" in text
+
+
+def _restart_after_exit(sim: Any, delay: float, *extra: str) -> threading.Thread:
+    """Once ``sim`` exits, start it again ``delay`` seconds later (with ``extra`` arguments)."""
+
+    def back() -> None:
+        assert wait_until(lambda: sim.proc.poll() is not None, 20)
+        time.sleep(delay)
+        sim.args = [*sim.args, *extra]
+        sim.restart()
+
+    thread = threading.Thread(target=back, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_a_stream_granted_while_its_engine_is_down_shows_life(
+    sim_factory: Callable[..., Any], gateway_factory: Callable[..., Gateway], path: str
+) -> None:
+    """A stream queued behind a request whose engine dies is granted the slot while the engine
+    is down and waits for its return (3 s): meanwhile it opens and beats in its dialect
+    (comments; Anthropic's message_start and pings; Responses' created event), then the whole
+    answer comes, with no silence longer than about twice the beat."""
+    config = {
+        **HEAD_WAIT,
+        "engine": {"max_concurrency": 1, "queue_timeout_s": 30, "queued_comment_after_s": 60},
+    }
+    sim = sim_factory("--completion-tokens", "4")
+    gw = gateway_factory(sim, config)
+    killer = {
+        "model": "qwen3.8-27b",
+        "stream": True,
+        "messages": [{"role": "user", "content": "killer"}],
+        "sim": {"tokens_per_second": 10, "completion_tokens": 100, "exit_after": 5},
+    }
+    holder = threading.Thread(target=lambda: gw.read_through(KEY_B, killer, 30), daemon=True)
+    holder.start()
+    assert wait_until(lambda: gw.metric("gateway_requests_in_flight", tenant="beta") == 1, 10)
+    restarter = _restart_after_exit(sim, 3.0)
+    body: dict[str, Any] = {"model": "qwen3.8-27b", "stream": True}
+    if path == "/v1/responses":
+        body["input"] = "engine-return"
+    else:
+        body["messages"] = [{"role": "user", "content": "engine-return"}]
+        body["max_tokens"] = 64
+    status, raw, times = _timed_stream(gw, path, body)
+    restarter.join(30)
+    holder.join(30)
+    assert status == 200
+    assert times[-1] > 3, times  # it did wait for the engine's return
+    gaps = [b - a for a, b in itertools.pairwise([0.0, *times])]
+    assert max(gaps) < 1.6, gaps  # the queue's wait (about 0.5 s) and then beats of 0.5 s
+    _check_dialect_stream(path, raw.decode())
+
+
+def test_a_stream_whose_engine_died_before_its_first_byte_beats_until_it_is_sent_again(
+    sim_factory: Callable[..., Any], gateway_factory: Callable[..., Gateway]
+) -> None:
+    """The engine dies with the request before its first byte and is back 3 s later: the
+    request is sent once more, and meanwhile the stream opens and beats; then the whole
+    answer."""
+    sim = sim_factory("--completion-tokens", "4")
+    gw = gateway_factory(sim, {**HEAD_WAIT, "engine": {"queue_timeout_s": 30}})
+    # The restarted engine ignores the request's `sim` object, which killed the first one.
+    restarter = _restart_after_exit(sim, 3.0, "--request-control", "off")
+    body = {
+        "model": "qwen3.8-27b",
+        "stream": True,
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "die-first"}],
+        "sim": {"exit_after": 0},
+    }
+    status, raw, times = _timed_stream(gw, "/v1/chat/completions", body)
+    restarter.join(30)
+    assert status == 200 and times[-1] > 3, times
+    gaps = [b - a for a, b in itertools.pairwise([0.0, *times])]
+    assert max(gaps) < 1.2, gaps
+    _check_dialect_stream("/v1/chat/completions", raw.decode())
+    assert gw.metric("gateway_engine_retries_total") == 1
