@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from gateway.config import TENANT_NAME_RULE, valid_tenant_name
+from gateway.secret_scan import GENERATED_PREFIX as GENERATED_PREFIX
 
 NAME_RE = re.compile(r"[A-Za-z0-9_]+")
 # RFC 6750 section 2.1 b64token: what a Bearer credential may contain.
@@ -49,10 +50,9 @@ HASH_SCHEME = "sha256"
 # Hand-typed keys shorter than this are refused: 16 characters is the floor for a guessing attack
 # over the network to be hopeless even with a poor alphabet; generated keys have ~190 bits.
 MIN_PLAINTEXT_SECRET = 16
-# Keys written by `keys add`: this prefix and `GENERATED_SECRET_CHARS` characters of `BASE62`:
+# Keys written by `keys add`: `GENERATED_PREFIX` and `GENERATED_SECRET_CHARS` characters of `BASE62`:
 # 32 * log2(62) = 190 bits, beyond any guessing and enough for an unsalted SHA-256 to be a safe
 # stored form.
-GENERATED_PREFIX = "sk-q38-"
 BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 GENERATED_SECRET_CHARS = 32
 # RFC 7518 section 3.2: an HS256 key must be at least as long as the hash output (256 bits).

@@ -211,8 +211,8 @@ class Flights:
             if found.digest != digest:
                 self.matches.labels("key", "conflict").inc()
                 raise IdempotencyConflict(
-                    f"This {IDEMPOTENCY_HEADER} was already used with a different request body; "
-                    "use a new key for a new request.",
+                    f"This {IDEMPOTENCY_HEADER} was already used with a different request "
+                    "(another body or route); use a new key for a new request.",
                     headers={"x-should-retry": "false"},
                 )
             if not found.attachable:

@@ -46,6 +46,9 @@ CREDENTIAL_SHAPE_RE = re.compile(
 )
 _HEX_RE = re.compile(r"(?:[0-9A-Fa-f]{2}){8,}")
 _B64_RE = re.compile(r"[A-Za-z0-9+/_-]{8,}={0,2}")
+# The public prefix of the keys `keys add` writes (`gateway.credentials`): what follows it is
+# the secret, searched for alone as well.
+GENERATED_PREFIX = "sk-q38-"
 # The shortest credential the gateway accepts (`gateway.credentials.MIN_PLAINTEXT_SECRET`).
 MIN_SECRET_CHARS = 16
 
@@ -61,7 +64,13 @@ def _own_credential(authorization: str) -> OwnCredential | None:
         return None
     raw = secret.encode("utf-8", "surrogatepass")
     plain = _PLAIN_SECRET_RE.fullmatch(secret) is not None
-    return OwnCredential(secret, raw, tuple(_base64_cores(raw)), plain)
+    bare = ""
+    if (
+        secret.startswith(GENERATED_PREFIX)
+        and len(secret) - len(GENERATED_PREFIX) >= MIN_SECRET_CHARS
+    ):
+        bare = secret[len(GENERATED_PREFIX) :]
+    return OwnCredential(secret, raw, tuple(_base64_cores(raw)), plain, bare)
 
 
 def decodings(text: str) -> Iterator[str]:
@@ -129,6 +138,8 @@ class OwnCredential:
     raw: bytes
     cores: tuple[bytes, ...]
     plain: bool = False
+    bare: str = ""
+    """The secret of a ``sk-q38-`` key without its public prefix (searched as the whole is)."""
 
     @classmethod
     def of(cls, authorization: str | None) -> OwnCredential | None:
@@ -150,7 +161,7 @@ class OwnCredential:
         these in a UTF-8 ``raw`` the search is over ``raw`` and its percent-decoding, and the
         strings are not walked.
         """
-        if self.raw in raw:
+        if self.raw in raw or (self.bare and self.bare.encode() in raw):
             return True
         for core in self.cores:
             if core in raw:
@@ -161,7 +172,10 @@ class OwnCredential:
             and b"\\/" not in raw
             and json.detect_encoding(raw) in _UTF8
         ):
-            return b"%" in raw and self.raw in unquote_to_bytes(raw)
+            if b"%" not in raw:
+                return False
+            decoded = unquote_to_bytes(raw)
+            return self.raw in decoded or bool(self.bare and self.bare.encode() in decoded)
         stack: list[Any] = [body]
         while stack:
             item = stack.pop()
@@ -195,10 +209,13 @@ class OwnCredential:
         return any(secret[i : i + size] in runs for i in range(len(secret) - size + 1))
 
     def _in_text(self, text: str) -> bool:
-        if self.text in text:
+        bare = self.bare
+        if self.text in text or (bare and bare in text):
             return True
-        if "%" in text and self.text in unquote(text, errors="replace"):
-            return True
+        if "%" in text:
+            decoded = unquote(text, errors="replace")
+            if self.text in decoded or (bare and bare in decoded):
+                return True
         if self.cores and len(text) >= 12:
             data = text.encode("utf-8", "surrogatepass")
             return any(core in data for core in self.cores)

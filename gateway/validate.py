@@ -272,6 +272,8 @@ _CHAT: dict[str, Check] = {
     "parallel_tool_calls": boolean,
     "chat_template_kwargs": obj,
     "reasoning_effort": string,
+    "prompt_cache_key": string,
+    "safety_identifier": string,
     # Checked as OpenAI checks it; every tier is served alike here but ``flex``, which also
     # puts the request in the background line (`gateway.waiting.background_request`).
     "service_tier": one_of(SERVICE_TIERS),

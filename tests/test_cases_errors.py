@@ -488,6 +488,10 @@ ENCODINGS = {
     "base64": lambda key: base64.b64encode(key.encode()).decode(),
     "base64_bearer": lambda key: base64.b64encode(f"Bearer {key}".encode()).decode(),
     "base64url_offset": lambda key: base64.urlsafe_b64encode(f"xy{key}".encode()).decode(),
+    # The secret of a generated key without its public `sk-q38-` prefix.
+    "without_prefix": lambda key: key[7:],
+    "without_prefix_escaped": lambda key: _escaped(key[7:]),
+    "without_prefix_percent": lambda key: "".join(f"%{b:02X}" for b in key[7:].encode()),
 }
 
 
@@ -1111,6 +1115,18 @@ def test_c31_responses_truncation_and_max_tool_calls_are_checked(
     error = r.json()["error"]
     assert error["param"] == name and name in error["message"]
     assert error["type"] == "invalid_request_error"
+    assert engine_calls(gw) == before
+
+
+@pytest.mark.parametrize("name", ["prompt_cache_key", "safety_identifier", "user"])
+@pytest.mark.parametrize("value", [5, ["k"], {"k": 1}, True], ids=repr)
+def test_chat_identifier_fields_must_be_strings(gw: Gateway, name: str, value: Any) -> None:
+    """Chat's `prompt_cache_key`, `safety_identifier` and `user` are strings (OpenAI's types):
+    anything else is a 400 naming the field, before the engine."""
+    before = engine_calls(gw)
+    r = send(gw, "chat", {**CHAT, name: value})
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == name
     assert engine_calls(gw) == before
 
 

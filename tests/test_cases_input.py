@@ -391,3 +391,23 @@ def test_a_tool_output_of_the_wrong_type_names_the_output_field(
     error = r.json()["error"]
     assert error["param"] == "input[2].output", error
     assert "must be a string or an array" in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/responses", {"model": ALIAS, "input": 5}, "input"),
+        ("/v1/messages", {"model": ALIAS, "max_tokens": 8, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ("/v1/messages", {"model": ALIAS, "max_tokens": 8, "system": 5, "messages": [{"role": "user", "content": "hi"}]}, "system"),
+    ],
+    ids=["responses-input", "messages-content", "messages-system"],
+)  # fmt: skip
+def test_a_field_that_takes_a_string_or_an_array_says_so(
+    stack: Gateway, path: str, body: dict[str, Any], param: str
+) -> None:
+    """A field that takes a string or an array of parts, sent as a number: the 400 names the
+    field and says both forms, not "must be an array"."""
+    r = post(stack, path, body)
+    assert r.status_code == 400, r.text[:300]
+    text = r.text
+    assert param in text and "must be a string or an array" in text, text

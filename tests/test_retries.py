@@ -132,7 +132,7 @@ async def test_reused_key_with_another_body_is_409_in_each_dialect(stack: Stack)
     shaped = await conflict.json()
     assert shaped["type"] == "error"
     assert shaped["error"]["type"] == "invalid_request_error"
-    assert "different request body" in shaped["error"]["message"]
+    assert "different request (another body or route)" in shaped["error"]["message"]
     assert "k-409m" not in json.dumps(shaped)
     assert generations(stack) == 2
     assert matches(stack, "key", "conflict") == 2

@@ -167,7 +167,7 @@ def _system_texts(system: Any) -> list[str]:
     if isinstance(system, str):
         return [system] if system and not system.startswith(BILLING_PREFIX) else []
     texts = []
-    for index, block in enumerate(expect(system, list, "system")):
+    for index, block in enumerate(expect(system, (str, list), "system")):
         expect(block, dict, f"system.{index}")
         if block.get("type") != "text":
             raise BadRequest(
@@ -183,7 +183,7 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     """A message's content as a list of blocks (a string is one text block)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    blocks: list[dict[str, Any]] = expect(content, list, where)
+    blocks: list[dict[str, Any]] = expect(content, (str, list), where)
     for index, block in enumerate(blocks):
         expect(block, dict, f"{where}.{index}")
         kind = expect(block.get("type"), str, f"{where}.{index}.type")

@@ -87,16 +87,19 @@ def number(body: Mapping[str, Any], name: str) -> float | None:
 def expect(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
     """``value`` when it is of ``kind``; else BadRequest naming ``name``."""
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        label = {
-            dict: "an object",
-            list: "an array",
-            str: "a string",
-            bool: "a boolean",
-            int: "an integer",
-        }
-        wanted = label.get(kind, "valid") if isinstance(kind, type) else "valid"
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        wanted = " or ".join(_KIND_LABELS.get(one, "valid") for one in kinds)
         raise BadRequest(f"{name}: must be {wanted}", param=name)
     return value
+
+
+_KIND_LABELS: dict[type, str] = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+}
 
 
 # A hosted tool's versioned type: a snake_case name in letters and its date, Anthropic's

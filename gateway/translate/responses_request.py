@@ -132,7 +132,7 @@ def translate_responses(body: Any, *, history: list[Any] | None = None) -> Trans
     if isinstance(raw_input, str):
         items.append({"type": "message", "role": "user", "content": raw_input})
     else:
-        items.extend(expect(raw_input, list, "input"))
+        items.extend(expect(raw_input, (str, list), "input"))  # a string is handled above
     chat["messages"] = _messages(items, system_parts)
 
     namespaces: dict[str, str] = {}
