@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
@@ -49,6 +50,14 @@ def error_for(exc: BaseException | None, status: int) -> GatewayError:
     """
     if isinstance(exc, UnicodeError):
         return BadRequest("The request holds text that is not valid UTF-8.")
+    if isinstance(exc, LineTooLong):
+        # RFC 9110 section 15.5.15 (414) for the request line, RFC 6585 section 5 (431) for
+        # a header: the parser stopped at the line's length limit.
+        line = exc.args[0] if exc.args else b""
+        start = line.encode("latin-1", "replace") if isinstance(line, str) else bytes(line)
+        if _REQUEST_START_RE.match(start):
+            return HttpError(414, HTTPStatus(414).phrase)
+        return HttpError(431, HTTPStatus(431).phrase)
     if isinstance(exc, web.HTTPException):
         status = exc.status
     if status == 400:
@@ -149,7 +158,10 @@ def guard(app: web.Application, handler: RawHandler) -> RawHandler:
     return guarded
 
 
-_REQUEST_LINE_RE = re.compile(rb"(?:^|\n)[A-Z]{3,7} (/[\x21-\x7e]{0,255}) HTTP/1\.[01]\r?\n")
+_REQUEST_START_RE = re.compile(rb"(?:[A-Z]{3,7} )?/")
+"""How a too-long request line or its URL starts (aiohttp's C parser reports the URL alone);
+a header line never starts so."""
+_REQUEST_LINE_RE = re.compile(rb"(?:^|\n)[A-Z]{3,7} (/[^\x00-\x20\x7f]{0,255}) HTTP/1\.[01]\r?\n")
 _KEPT_BYTES = 4096
 """Bytes of a connection's last read kept for `request_line_path` (its request line, headers)."""
 
@@ -158,7 +170,8 @@ def request_line_path(data: bytes) -> str | None:
     """The path (query cut off) of the last HTTP/1.x request line in ``data``, or None; only
     used to choose an error's API shape, never echoed."""
     paths = _REQUEST_LINE_RE.findall(data)
-    return paths[-1].split(b"?", 1)[0].decode("ascii") if paths else None
+    # Bytes past ASCII (a path no parser accepts) decode one to one: only its prefix matters.
+    return paths[-1].split(b"?", 1)[0].decode("latin-1") if paths else None
 
 
 class GatewayRequestHandler(RequestHandler):

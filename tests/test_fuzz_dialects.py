@@ -219,3 +219,37 @@ def test_c28_fuzz_left_no_traceback_and_nothing_held(fuzzed: Gateway) -> None:
     bad = [e for e in logs if e.get("exception") or e.get("level") in ("error", "critical")]
     assert not bad, json.dumps(bad[:2])[:2000]
     assert not [e for e in logs if e.get("event") in ("plan_failed", "unhandled_error")]
+
+
+def test_c28_a_path_byte_past_ascii_under_messages_gets_anthropics_shape(
+    fuzzed: Gateway,
+) -> None:
+    """A request line whose path holds a byte past ASCII, which no parser accepts, is answered
+    in the API shape of the path's prefix: Anthropic's under ``/v1/messages``."""
+    raw = b"GET /v1/messages/\xff HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"
+    answer = _exchange(fuzzed.base_url, raw)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head[9:12] == b"400", answer[:300]
+    payload = json.loads(body)
+    assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("where", "status"), [("url", b"414"), ("header", b"431")], ids=["url", "header"]
+)
+def test_c28_a_line_past_the_parsers_limit_gets_414_or_431(
+    fuzzed: Gateway, where: str, status: bytes
+) -> None:
+    """A URL or a header longer than the HTTP parser takes: 414 (RFC 9110 section 15.5.15) or
+    431 (RFC 6585 section 5) in JSON with ``x-request-id``, quoting none of it, not a 400 that
+    does not say why."""
+    long = b"a" * 70_000
+    target = b"/v1/models?q=" + long if where == "url" else b"/v1/models"
+    extra = b"X-Note: " + long + b"\r\n" if where == "header" else b""
+    raw = b"GET " + target + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n" + extra + b"\r\n"
+    answer = _exchange(fuzzed.base_url, raw)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head[9:12] == status, answer[:300]
+    assert b"\r\nx-request-id:" in head.lower(), head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert b"aaaaaaaa" not in answer
