@@ -115,13 +115,8 @@ def test_queued_request_waits_for_engine_return(sim_factory: Any, gateway_factor
     assert gw.metric("gateway_engine_retries_total") == 1
 
 
-def test_queued_request_gets_503_when_engine_stays_down(
-    sim_factory: Any, gateway_factory: Any
-) -> None:
-    """A queued request whose engine stays down past the queue timeout gets 503 + Retry-After."""
-    sim = sim_factory()
-    gw = gateway_factory(sim, {"engine": {"max_concurrency": 1, "queue_timeout_s": 2}})
-    results: dict[str, httpx.Response] = {}
+def _running(gw: Gateway, results: dict[str, httpx.Response]) -> threading.Thread:
+    """A long request (100 s of tokens) at the engine, its answer to go in ``results["first"]``."""
     first = threading.Thread(
         target=lambda: results.setdefault(
             "first", chat(gw, {"tokens_per_second": 10, "completion_tokens": 1000})
@@ -129,6 +124,17 @@ def test_queued_request_gets_503_when_engine_stays_down(
     )
     first.start()
     assert wait_until(lambda: httpx.get(gw.url("/ready")).json()["in_flight"] == 1, 5)
+    return first
+
+
+def test_queued_request_gets_503_when_engine_stays_down(
+    sim_factory: Any, gateway_factory: Any
+) -> None:
+    """A queued request whose engine stays down past the queue timeout gets 503 + Retry-After."""
+    sim = sim_factory()
+    gw = gateway_factory(sim, {"engine": {"max_concurrency": 1, "queue_timeout_s": 2}})
+    results: dict[str, httpx.Response] = {}
+    first = _running(gw, results)
     second = threading.Thread(target=lambda: results.setdefault("second", chat(gw, max_tokens=4)))
     second.start()
     assert wait_until(lambda: httpx.get(gw.url("/ready")).json()["queue_depth"] == 1, 5)
@@ -150,13 +156,7 @@ def test_a_tenants_queued_requests_get_503_not_429_when_the_engine_stays_down(
     sim = sim_factory()
     gw = gateway_factory(sim, {"engine": {"max_concurrency": 1, "queue_timeout_s": 3}})
     results: dict[str, httpx.Response] = {}
-    first = threading.Thread(
-        target=lambda: results.setdefault(
-            "first", chat(gw, {"tokens_per_second": 10, "completion_tokens": 1000})
-        )
-    )
-    first.start()
-    assert wait_until(lambda: httpx.get(gw.url("/ready")).json()["in_flight"] == 1, 5)
+    first = _running(gw, results)
     queued = [
         threading.Thread(
             target=lambda i=i: results.setdefault(f"q{i}", chat(gw, max_tokens=4, stream=i == 0))
