@@ -160,8 +160,8 @@ async def explain_sized_overflow(
     output tokens cannot help."""
     if plan.default_output is None:
         overflow = overflow_of(error)
-        if overflow is None or not overflow.at_least:
-            return error
+        if overflow is None or (not overflow.at_least and overflow.prompt <= overflow.context):
+            return error  # the engine's words state true numbers and a remedy that helps
     exact = await exact_overflow(counter, plan, error)
     if exact is None:
         return error

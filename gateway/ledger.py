@@ -216,7 +216,8 @@ def path_problem(path: str | os.PathLike[str]) -> str | None:
     Tried for real, leaving nothing behind: a temporary file in the file's directory (removed
     at once), or, when that directory does not exist yet, a temporary directory in its nearest
     existing parent, where `connect` would create it (removed at once); an existing ledger is
-    opened for appending and closed, unchanged. For ``check``: ``serve`` starts all the same,
+    opened for appending and closed, unchanged, and must start as an SQLite database does. For
+    ``check``: ``serve`` starts all the same,
     logs ``ledger_write_failed`` and holds the records in memory (up to ``max_pending``).
 
     Returns:
@@ -245,7 +246,15 @@ def path_problem(path: str | os.PathLike[str]) -> str | None:
             os.rmdir(tempfile.mkdtemp(dir=nearest, prefix=".qwen38-check-"))
     except OSError as exc:
         return f"{target}: {where} ({exc.strerror or type(exc).__name__})"
+    if os.path.isfile(target) and os.path.getsize(target) > 0:
+        with open(target, "rb") as file:
+            if file.read(len(_SQLITE_HEADER)) != _SQLITE_HEADER:
+                return f"{target}: not an SQLite database (file is not a database)"
     return None
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+"""The first 16 bytes of every SQLite database file (sqlite.org, "Database File Format" 1.3)."""
 
 
 def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from gateway.ceiling import chat_ceiling, completion_ceiling
 from gateway.config import Settings, TenantSettings
 from gateway.errors import QUOTABLE_MAX_CHARS, BadRequest, ModelNotFound, PermissionDenied
+from gateway.translate.common import Overflow
 from gateway.validate import find_unsendable, validate_fields
 
 Kind = Literal["chat", "completions"]
@@ -551,9 +552,7 @@ def _check_context(
         longest = max(prompts)
         if longest + requested > context:
             name = _named_limit(body, max_fields)
-            raise BadRequest(
-                f"This model's maximum context length is {context} tokens. However, you "
-                f"requested {longest + requested} tokens ({longest} in the prompt, {requested} "
-                f"for the completion).",
-                param=name,
-            )
+            # vLLM's wording with the exact count; a prompt over the context alone says that
+            # fewer output tokens cannot help (case C31).
+            overflow = Overflow(longest, False, requested, context)
+            raise BadRequest(overflow.requested_message(), param=name)

@@ -70,7 +70,10 @@ def _own_credential(authorization: str) -> OwnCredential | None:
         and len(secret) - len(GENERATED_PREFIX) >= MIN_SECRET_CHARS
     ):
         bare = secret[len(GENERATED_PREFIX) :]
-    return OwnCredential(secret, raw, tuple(_base64_cores(raw)), plain, bare)
+    cores = _base64_cores(raw)
+    if bare:
+        cores += _base64_cores(bare.encode("utf-8", "surrogatepass"))
+    return OwnCredential(secret, raw, tuple(cores), plain, bare)
 
 
 def decodings(text: str) -> Iterator[str]:

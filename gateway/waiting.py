@@ -216,10 +216,11 @@ class _Beats:
         while not self._done:
             self._writing = True
             try:
-                if heartbeat.opened:
-                    await heartbeat.beat(keepalive)
-                else:
+                if not heartbeat.opened:
                     await heartbeat.open()
+                # At once after the opening too, as in the queue: aiohttp holds the headers for
+                # the first write, and chat's opening writes nothing.
+                await heartbeat.beat(keepalive)
             except ConnectionResetError:
                 if self._main is not None and not self._done:
                     self._main.cancel()  # the client left: the wait ends as at a disconnect

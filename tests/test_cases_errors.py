@@ -30,7 +30,7 @@ from openai.types.responses import Response
 from gateway.errors import BadRequest, quotable, quotable_name, scrub_credentials
 from gateway.translate.anthropic_errors import anthropic_error
 from gateway.translate.anthropic_request import translate_messages
-from gateway.translate.common import Overflow, label
+from gateway.translate.common import Overflow, label, overflow_of
 from gateway.translate.responses_request import translate_responses
 from gateway.upstream import stated_param
 from tests.conftest import ALIAS, KEY_A, KEY_B, REPO, Gateway, write_keys
@@ -492,6 +492,7 @@ ENCODINGS = {
     "without_prefix": lambda key: key[7:],
     "without_prefix_escaped": lambda key: _escaped(key[7:]),
     "without_prefix_percent": lambda key: "".join(f"%{b:02X}" for b in key[7:].encode()),
+    "without_prefix_base64": lambda key: base64.b64encode(f"user:{key[7:]}".encode()).decode(),
 }
 
 
@@ -931,6 +932,42 @@ def test_c31_an_overflow_with_the_clients_own_max_tokens_states_the_prompts_coun
     shown = int(message.split("prompt contains ")[1].split(" ")[0])
     # The chat template adds a few tokens to the text's count; the bare prompt has none.
     assert counted - 20 <= shown <= counted + 20, (message, counted)
+
+
+def test_c31_a_token_id_prompt_over_the_context_says_fewer_output_tokens_cannot_help(
+    sim_factory: Any, gateway_factory: Any
+) -> None:
+    """A completions prompt of token ids over the context with the client's own `max_tokens`:
+    the engine states the exact count but advises fewer output tokens; the 400 says the prompt
+    alone is over the context."""
+    sim = sim_factory("--max-model-len", "2048")
+    gateway = gateway_factory(sim, {"engine": {"max_model_len": 2048}})
+    body = {"model": ALIAS, "prompt": [1] * 3000, "max_tokens": 100}
+    r = httpx.post(gateway.url("/v1/completions"), json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert "prompt contains 3000 input tokens" in message, message
+    assert "which exceeds this limit even without any output tokens" in message, message
+    assert "requested" not in message, message
+
+
+@pytest.mark.fast
+def test_c31_both_of_vllms_overflow_wordings_are_read() -> None:
+    """vLLM's two prompt-too-long wordings are read into the same numbers: "prompt contains
+    (at least) N input tokens", and "requested T tokens (N in the prompt, W for the
+    completion)" (a prompt of token ids)."""
+    total = BadRequest(
+        "This model's maximum context length is 2048 tokens. However, you requested 3100 "
+        "tokens (3000 in the prompt, 100 for the completion)."
+    )
+    assert overflow_of(total) == Overflow(3000, False, 100, 2048)
+    bound = BadRequest(
+        "This model's maximum context length is 2048 tokens. However, you requested 100 output "
+        "tokens and your prompt contains at least 1949 input tokens, for a total of at least "
+        "2049 tokens."
+    )
+    assert overflow_of(bound) == Overflow(1949, True, 100, 2048)
+    assert overflow_of(BadRequest("'temperature' must be a number.")) is None
 
 
 @pytest.mark.fast

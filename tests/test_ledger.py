@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.ledger import Ledger, UsageRecord, open_readonly, tokens_by_tenant, utc_day
+from gateway.ledger import (
+    Ledger,
+    UsageRecord,
+    connect,
+    open_readonly,
+    tokens_by_tenant,
+    utc_day,
+)
 from gateway.metrics import Metrics
 from tests.conftest import KEY_A, REPO, write_keys
 
@@ -281,6 +288,8 @@ def test_check_warns_of_a_ledger_path_serve_could_not_write(tmp_path: Path) -> N
     write_keys(keys, {"KEY_A": ("acme", KEY_A)})
     blocker = tmp_path / "a-file"
     blocker.write_text("")
+    garbage = tmp_path / "garbage.db"
+    garbage.write_text("garbage\n")
     config = tmp_path / "s1.toml"
 
     def check(ledger_path: str) -> subprocess.CompletedProcess[str]:
@@ -297,6 +306,7 @@ def test_check_warns_of_a_ledger_path_serve_could_not_write(tmp_path: Path) -> N
         ("/proc/nope/usage.sqlite3", "directory /proc/nope does not exist and cannot be created"),
         (f"{blocker}/usage.sqlite3", f"{blocker} is not a directory"),
         (str(tmp_path), "a directory, not a file"),
+        (str(garbage), "not an SQLite database"),
     ):
         done = check(path)
         assert done.returncode == 0, (path, done.stdout, done.stderr)
@@ -305,4 +315,13 @@ def test_check_warns_of_a_ledger_path_serve_could_not_write(tmp_path: Path) -> N
     fresh = tmp_path / "not-yet" / "deeper" / "usage.sqlite3"
     done = check(str(fresh))
     assert done.returncode == 0 and f"OK   ledger: {fresh}" in done.stdout, done.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "keys.env", "s1.toml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a-file",
+        "garbage.db",
+        "keys.env",
+        "s1.toml",
+    ]
+    live = tmp_path / "live.sqlite3"
+    connect(live).close()  # a ledger the gateway wrote
+    done = check(str(live))
+    assert done.returncode == 0 and f"OK   ledger: {live}" in done.stdout, done.stdout

@@ -161,6 +161,13 @@ _OVERFLOW_RE = re.compile(
     r"prompt contains (at least )?(\d+) input tokens",
     re.S,
 )
+# vLLM's other wording (a prompt of token ids): "However, you requested 3100 tokens (3000 in
+# the prompt, 100 for the completion)."
+_OVERFLOW_TOTAL_RE = re.compile(
+    r"maximum context length is (\d+) tokens.*?requested \d+ tokens "
+    r"\((\d+) in the (?:prompt|messages), (\d+) for the completion\)",
+    re.S,
+)
 
 
 MIN_OUTPUT_TOKENS = 1
@@ -256,7 +263,10 @@ def overflow_of(error: GatewayError) -> Overflow | None:
         return None
     match = _OVERFLOW_RE.search(error.message)
     if match is None:
-        return None
+        total = _OVERFLOW_TOTAL_RE.search(error.message)
+        if total is None:
+            return None
+        return Overflow(int(total.group(2)), False, int(total.group(3)), int(total.group(1)))
     output = int(match.group(2)) if match.group(2) else None
     return Overflow(int(match.group(4)), bool(match.group(3)), output, int(match.group(1)))
 
